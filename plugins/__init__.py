@@ -1,0 +1,1 @@
+"""corral's built-in plugins, one module each, registered by ``supervisor.plugins``."""

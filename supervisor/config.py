@@ -1,0 +1,264 @@
+"""The supervisor's configuration: one table of keys, four sources.
+
+Precedence, highest first: command-line flags, environment variables, the
+TOML file named by ``--config`` (or ``CORRAL_CONFIG``), then the defaults
+here. Every key is documented in ``docs/configuration.md``; a test keeps the
+two in step.
+"""
+
+import grp
+import os
+import tomllib
+from typing import Any, Callable
+
+import attrs
+from attrs import frozen
+
+from supervisor import paths
+from supervisor.errors import ConfigError
+
+
+def _parse_int(low: int, high: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool):
+            raise ValueError("expected a whole number")
+        number = int(value, 10) if isinstance(value, str) else int(value)
+        if isinstance(value, float) and value != number:
+            raise ValueError("expected a whole number")
+        if not low <= number <= high:
+            raise ValueError(f"expected a number from {low} to {high}")
+        return number
+
+    return parse
+
+
+def _parse_seconds(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a number of seconds")
+    number = float(value)
+    if not 0 < number < 10**7:
+        raise ValueError("expected a positive number of seconds")
+    return number
+
+
+def _parse_str(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a non-empty string")
+    return value
+
+
+def _parse_path(value: Any) -> str:
+    text = _parse_str(value)
+    if not os.path.isabs(text):
+        raise ValueError("expected an absolute path")
+    return os.path.normpath(text)
+
+
+def _parse_uid_range(value: Any) -> tuple[int, int]:
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        low, high = (int(v) for v in value)
+    else:
+        text = _parse_str(value)
+        low_text, sep, high_text = text.partition("-")
+        if not sep:
+            raise ValueError("expected LOW-HIGH, for example 20000-59999")
+        low, high = int(low_text), int(high_text)
+    if not 1000 <= low <= high <= 2**31 - 2:
+        raise ValueError("expected 1000 <= LOW <= HIGH < 2**31-1")
+    return (low, high)
+
+
+def _parse_group(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = _parse_str(value)
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {text!r} on this host") from None
+
+
+def _parse_choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = _parse_str(value)
+        if text not in choices:
+            raise ValueError("expected one of " + ", ".join(choices))
+        return text
+
+    return parse
+
+
+def _parse_list(value: Any) -> tuple[str, ...]:
+    if isinstance(value, (list, tuple)):
+        items = [_parse_str(v) for v in value]
+    else:
+        if not isinstance(value, str):
+            raise ValueError("expected a comma-separated string")
+        items = [part.strip() for part in value.split(",")]
+    return tuple(item for item in items if item)
+
+
+def _default_group() -> int:
+    try:
+        return grp.getgrnam("corral").gr_gid
+    except KeyError:
+        return os.getgid()
+
+
+@frozen
+class Key:
+    """One configuration key: its name, environment variable, parser and doc."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Callable[[dict], Any]
+    doc: str
+
+    @property
+    def env(self) -> str:
+        """The environment variable that sets this key."""
+        return "CORRAL_" + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag that sets this key."""
+        return "--" + self.name.replace("_", "-")
+
+
+KEYS: tuple[Key, ...] = (
+    Key("socket", _parse_path, lambda c: paths.default_socket(),
+        "Path of the Unix socket clients connect to."),
+    Key("socket_group", _parse_group, lambda c: _default_group(),
+        "Group (name or gid) allowed to connect: owns the socket's directory "
+        "(mode 0750) and the socket (mode 0660)."),
+    Key("state_dir", _parse_path, lambda c: paths.default_state_dir(),
+        "Directory for corral's own state: the runner's code copy, and the "
+        "default workspace root and audit file."),
+    Key("workspace_root", _parse_path,
+        lambda c: os.path.join(c["state_dir"], "workspaces"),
+        "Directory holding <owner>/<conversation>/ workspaces."),
+    Key("isolation", _parse_str, lambda c: "auto",
+        "Isolation strategy: auto, bwrap, setpriv, none, or a plugin's name."),
+    Key("storage", _parse_str, lambda c: "local",
+        "Storage backend NAME[:ARGUMENT]: local, or a plugin's name."),
+    Key("audit", _parse_list,
+        lambda c: ("jsonl:" + os.path.join(c["state_dir"], "audit.jsonl"),),
+        "Audit sinks, comma-separated NAME[:ARGUMENT]: jsonl:/path, or a "
+        "plugin's name."),
+    Key("plugins", _parse_list, lambda c: (),
+        "Extra plugin modules to import by dotted name, comma-separated "
+        "(besides those installed through the 'corral' entry-point group)."),
+    Key("uid_range", _parse_uid_range, lambda c: (20000, 59999),
+        "Range LOW-HIGH of uids given to owners."),
+    Key("hello_timeout", _parse_seconds, lambda c: 10.0,
+        "Seconds a client has to send its hello."),
+    Key("max_connections", _parse_int(1, 1_000_000), lambda c: 1024,
+        "Concurrent connections; over the cap a client gets 'limit'."),
+    Key("runner_python", _parse_path, lambda c: "/usr/bin/python3",
+        "Interpreter that runs the runner; must be readable by every owner "
+        "uid (not under /root)."),
+    Key("bash_timeout", _parse_seconds, lambda c: 120.0,
+        "Default timeout of a bash call, in seconds."),
+    Key("bash_max_timeout", _parse_seconds, lambda c: 3600.0,
+        "Largest timeout a bash call may ask for, in seconds."),
+    Key("stop_timeout", _parse_seconds, lambda c: 10.0,
+        "Seconds to wait for runners to die at shutdown before giving up."),
+    Key("log_format", _parse_choice("auto", "json", "text"), lambda c: "auto",
+        "Log format on stdout: json, text, or auto (json when stdout is not "
+        "a terminal)."),
+    Key("log_level", _parse_choice("debug", "info", "warn", "error"),
+        lambda c: "info", "Lowest level logged."),
+)
+
+KEYS_BY_NAME = {key.name: key for key in KEYS}
+
+
+@frozen
+class Config:
+    """The effective configuration of one supervisor."""
+
+    socket: str
+    socket_group: int
+    state_dir: str
+    workspace_root: str
+    isolation: str
+    storage: str
+    audit: tuple[str, ...]
+    plugins: tuple[str, ...]
+    uid_range: tuple[int, int]
+    hello_timeout: float
+    max_connections: int
+    runner_python: str
+    bash_timeout: float
+    bash_max_timeout: float
+    stop_timeout: float
+    log_format: str
+    log_level: str
+    #: Where each value came from: flag, env, file or default.
+    sources: dict = attrs.field(factory=dict, eq=False, repr=False)
+
+    def as_dict(self) -> dict:
+        """The values by key name, for ``corral check`` and logs."""
+        return {key.name: getattr(self, key.name) for key in KEYS}
+
+
+def load_config(
+    flags: dict | None = None,
+    environ: dict | None = None,
+    config_file: str | None = None,
+) -> Config:
+    """Build the effective configuration, raising ConfigError on a bad value.
+
+    ``flags`` maps key names to the strings given on the command line (None
+    for absent); ``environ`` defaults to ``os.environ``.
+    """
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get("CORRAL_CONFIG")
+    file_values = _read_file(config_file) if config_file else {}
+    values: dict = {}
+    sources: dict = {}
+    for key in KEYS:
+        if key.name in flags:
+            raw, source = flags[key.name], f"flag {key.flag}"
+        elif key.env in environ:
+            raw, source = environ[key.env], f"environment {key.env}"
+        elif key.name in file_values:
+            raw, source = file_values[key.name], f"file {config_file}"
+        else:
+            values[key.name] = key.default(values)
+            sources[key.name] = "default"
+            continue
+        try:
+            values[key.name] = key.parse(raw)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(
+                f"{key.name} = {raw!r} (from {source}) is not valid: {e}"
+            ) from None
+        sources[key.name] = source
+    if values["bash_timeout"] > values["bash_max_timeout"]:
+        raise ConfigError(
+            f"bash_timeout ({values['bash_timeout']}) is larger than "
+            f"bash_max_timeout ({values['bash_max_timeout']})"
+        )
+    return Config(**values, sources=sources)
+
+
+def _read_file(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    data = data.get("corral", data)
+    unknown = sorted(set(data) - set(KEYS_BY_NAME))
+    if unknown:
+        raise ConfigError(
+            f"config file {path} has unknown keys: {', '.join(unknown)}; "
+            f"known keys are: {', '.join(KEYS_BY_NAME)}"
+        )
+    return data

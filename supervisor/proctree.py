@@ -1,0 +1,73 @@
+"""Find and kill a process and everything below it, using /proc.
+
+The supervisor spawns the isolation command; the runner and whatever it
+started are its descendants. A runner is a child subreaper and, under
+``setpriv`` and ``bwrap``, the init of its own pid namespace, so processes
+that ``setsid`` or double-fork stay in the tree. Killing stops the whole
+tree first (``SIGSTOP``, repeated until no new process appears, so a fork
+loop cannot outrun it), then sends ``SIGKILL`` to every process in it.
+"""
+
+import os
+import signal
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (every thread's), or [] once it is gone."""
+    result = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return result
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                result.extend(int(p) for p in f.read().split())
+        except OSError:
+            continue
+    return result
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s descendants, parents before their children."""
+    found = []
+    frontier = [pid]
+    while frontier:
+        current = frontier.pop()
+        for child in children(current):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tree(pid: int, max_rounds: int = 50) -> int:
+    """Stop, then SIGKILL ``pid`` and all its descendants; return how many were signalled."""
+    stopped: set[int] = set()
+    for _ in range(max_rounds):
+        tree = [pid, *descendants(pid)]
+        fresh = [p for p in tree if p not in stopped]
+        if not fresh:
+            break
+        for p in fresh:
+            _signal(p, signal.SIGSTOP)
+            stopped.add(p)
+    for p in stopped:
+        _signal(p, signal.SIGKILL)
+    return len(stopped)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still exists as something other than a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2 : data.rfind(b")") + 3] != b"Z"

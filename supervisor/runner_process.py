@@ -1,0 +1,170 @@
+"""The runner as a child process: one ProcessProtocol per runner.
+
+It exposes an ``ended`` Deferred, reads the runner's stdout in large chunks
+through a pipe enlarged to 1 MiB (the relay's throughput depends on both),
+logs the runner's stderr with a size cap, and kills the runner's whole
+process tree on request.
+"""
+
+import errno
+import fcntl
+import os
+
+from twisted.internet import error
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.main import CONNECTION_DONE, CONNECTION_LOST
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from supervisor import proctree
+
+#: Bytes read from the runner's stdout per read call (Twisted's default is 8 KiB).
+READ_SIZE = 1 << 16
+#: Pipe capacity asked for with F_SETPIPE_SZ.
+PIPE_SIZE = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+#: Runner stderr logged per connection before the rest is dropped.
+STDERR_BUDGET = 64 * 1024
+#: Longest stderr line logged.
+STDERR_LINE = 1000
+
+
+def _enlarge_pipe(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_SIZE)
+    except OSError:
+        pass
+
+
+def _read_large(reader) -> object:
+    """A ``doRead`` for a Twisted ProcessReader that reads 64 KiB at a time."""
+    try:
+        data = os.read(reader.fd, READ_SIZE)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EINTR):
+            return None
+        return CONNECTION_LOST
+    if not data:
+        return CONNECTION_DONE
+    reader.dataReceived(data)
+    return None
+
+
+@implementer(IPushProducer)
+class RunnerOutputProducer:
+    """Lets the client's transport pause and resume reading the runner's stdout."""
+
+    def __init__(self, process_protocol: "RunnerProcessProtocol"):
+        self.process_protocol = process_protocol
+
+    def _reader(self):
+        transport = self.process_protocol.transport
+        return transport.pipes.get(1) if transport is not None else None
+
+    def pauseProducing(self):
+        """The client is not reading: stop reading the runner's output."""
+        reader = self._reader()
+        if reader is not None:
+            reader.stopReading()
+
+    def resumeProducing(self):
+        """The client drained its buffer: read the runner's output again."""
+        reader = self._reader()
+        if reader is not None:
+            reader.startReading()
+
+    def stopProducing(self):
+        """The client is gone: kill the runner."""
+        self.process_protocol.kill()
+
+
+class RunnerProcessProtocol(ProcessProtocol):
+    """One runner process. ``on_output`` receives its stdout bytes."""
+
+    log = Logger()
+
+    def __init__(self, reactor, on_output, label: dict):
+        self.reactor = reactor
+        self.on_output = on_output
+        self.label = label
+        self.ended: Deferred = Deferred()
+        self.exit_status: dict | None = None
+        self.pid: int | None = None
+        self.started_at = reactor.seconds()
+        self._stderr_left = STDERR_BUDGET
+        self._stderr_partial = b""
+
+    @property
+    def alive_pid(self) -> int | None:
+        """The spawned process's pid while it has not been reaped, else None."""
+        return self.transport.pid if self.transport is not None else None
+
+    def connectionMade(self):
+        """Tune the pipes: larger reads and a larger buffer for stdout and stdin."""
+        self.pid = self.transport.pid
+        pipes = self.transport.pipes
+        if 1 in pipes:
+            reader = pipes[1]
+            reader.doRead = lambda: _read_large(reader)
+            _enlarge_pipe(reader.fileno())
+        if 0 in pipes:
+            _enlarge_pipe(pipes[0].fileno())
+
+    def write(self, data: bytes) -> None:
+        """Send bytes to the runner's stdin (ignored once it has gone)."""
+        if self.transport is not None and 0 in self.transport.pipes:
+            self.transport.writeToChild(0, data)
+
+    def outReceived(self, data: bytes) -> None:
+        """Relay stdout to the client."""
+        self.on_output(data)
+
+    def errReceived(self, data: bytes) -> None:
+        """Log stderr line by line, each line capped, at most STDERR_BUDGET bytes per runner."""
+        if self._stderr_left <= 0:
+            return
+        data = self._stderr_partial + data[: self._stderr_left]
+        self._stderr_left -= len(data) - len(self._stderr_partial)
+        *lines, self._stderr_partial = data.split(b"\n")
+        if len(self._stderr_partial) > STDERR_LINE:
+            lines.append(self._stderr_partial)
+            self._stderr_partial = b""
+        for line in lines:
+            self.log.info(
+                "runner {pid} stderr: {line}",
+                pid=self.pid,
+                line=line[:STDERR_LINE].decode("utf-8", "replace"),
+                **self.label,
+            )
+        if self._stderr_left <= 0:
+            self.log.warn(
+                "runner {pid} wrote more than {budget} bytes to stderr; the rest is dropped",
+                pid=self.pid,
+                budget=STDERR_BUDGET,
+                **self.label,
+            )
+
+    def kill(self) -> None:
+        """SIGKILL the runner and every process below it; ``ended`` fires once it is reaped."""
+        pid = self.alive_pid
+        if pid is None:
+            return
+        try:
+            proctree.kill_tree(pid)
+        except OSError:
+            self.log.failure("could not kill runner {pid}", pid=pid)
+
+    def processEnded(self, reason):
+        """Record how the runner ended and fire ``ended`` once."""
+        if self.exit_status is not None:
+            return
+        value = reason.value
+        status = {"exit_code": None, "signal": None}
+        if isinstance(value, (error.ProcessDone, error.ProcessTerminated)):
+            status["exit_code"] = value.exitCode
+            status["signal"] = value.signal
+        status["duration_ms"] = round((self.reactor.seconds() - self.started_at) * 1000, 3)
+        self.exit_status = status
+        self.ended.callback(status)

@@ -1,0 +1,208 @@
+"""The daemon as a tree of services: a listener on the Unix socket and the runners.
+
+``CorralService`` is a ``MultiService`` holding a
+``StreamServerEndpointService``. Stopping it stops accepting, kills every
+runner's process tree and fires only once they are all gone (or
+``stop_timeout`` has passed, which is logged).
+"""
+
+import errno
+import os
+import socket
+import stat
+
+from attrs import define, field
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import MultiService
+from twisted.internet import defer
+from twisted.internet.defer import DeferredList, succeed
+from twisted.internet.endpoints import UNIXServerEndpoint
+from twisted.logger import Logger
+
+from supervisor import sdnotify
+from supervisor.audit import Auditor
+from supervisor.errors import ConfigError
+from supervisor.identities import IdentityStore
+from supervisor.protocol import ConversationFactory
+from supervisor.spawn import install_runner_code, unreadable_ancestor
+
+
+@define
+class Supervisor:
+    """What every connection shares: configuration, plugins, identities, live connections."""
+
+    reactor: object
+    config: object
+    identities: IdentityStore
+    storage: object
+    isolation: object
+    auditor: Auditor
+    runner_script: str
+    privileged: bool
+    connections: set = field(factory=set)
+
+
+def build_supervisor(reactor, config, registry) -> Supervisor:
+    """Build the plugins the configuration names and the identity store (may raise ConfigError)."""
+    privileged = os.geteuid() == 0
+    isolation = registry.build("isolation", config.isolation, config)
+    storage = registry.build("storage", config.storage, config)
+    sinks = [registry.build("audit", spec, config) for spec in config.audit]
+    return Supervisor(
+        reactor=reactor,
+        config=config,
+        identities=IdentityStore(config.workspace_root, config.uid_range, privileged),
+        storage=storage,
+        isolation=isolation,
+        auditor=Auditor(sinks),
+        runner_script="",
+        privileged=privileged,
+    )
+
+
+def make_directories(path: str, mode: int) -> None:
+    """``mkdir -p`` whose created directories get exactly ``mode``, whatever the umask."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            continue
+        os.chmod(directory, mode)
+
+
+def prepare_directories(config) -> None:
+    """Create the state and workspace directories with modes every owner uid can traverse."""
+    for path in (config.state_dir, config.workspace_root):
+        make_directories(path, 0o711)
+    if os.geteuid() == 0:
+        os.chmod(config.workspace_root, 0o711)
+        for path in (config.workspace_root, config.state_dir):
+            blocked = unreadable_ancestor(os.path.join(path, "x"))
+            if blocked:
+                raise ConfigError(
+                    f"{path} is below {blocked}, which owner uids cannot traverse "
+                    "(it lacks the x bit for others); choose a state_dir and "
+                    "workspace_root outside it, or chmod o+x it"
+                )
+
+
+def prepare_socket(config) -> None:
+    """Make the socket's directory, and remove a stale socket a crashed supervisor left.
+
+    A socket that still answers means another supervisor is running: that
+    stops start-up.
+    """
+    path = config.socket
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        make_directories(directory, 0o750)
+        if os.geteuid() == 0:
+            os.chown(directory, 0, config.socket_group)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"socket = {path!r} exists and is not a socket; remove it or choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2)
+    try:
+        probe.connect(path)
+    except OSError as e:
+        if e.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise ConfigError(f"cannot check the existing socket {path}: {e.strerror}") from None
+        os.unlink(path)
+    else:
+        raise ConfigError(
+            f"another supervisor is already listening on {path}; stop it first "
+            "or choose another socket"
+        )
+    finally:
+        probe.close()
+
+
+class CorralService(MultiService):
+    """The supervisor daemon: listens, serves conversations, and stops cleanly."""
+
+    log = Logger()
+
+    def __init__(self, reactor, config, registry):
+        super().__init__()
+        self.reactor = reactor
+        self.config = config
+        prepare_directories(config)
+        self.supervisor = build_supervisor(reactor, config, registry)
+        endpoint = UNIXServerEndpoint(reactor, config.socket, mode=0o660, wantPID=False)
+        self.listener = StreamServerEndpointService(
+            endpoint, ConversationFactory(self.supervisor)
+        )
+        self.listener._raiseSynchronously = True
+        self.listener.setServiceParent(self)
+
+    def prepare(self) -> None:
+        """Blocking start-up work done before the reactor runs."""
+        prepare_socket(self.config)
+        self.supervisor.runner_script = install_runner_code(self.config.state_dir)
+        removed = self.supervisor.identities.remove_leftovers()
+        if removed:
+            self.log.info("removed {count} half-created owner directories", count=len(removed))
+
+    def startService(self):
+        """Listen, set the socket's owner and mode, and tell systemd we are ready."""
+        super().startService()
+        if os.geteuid() == 0:
+            os.chown(self.config.socket, 0, self.config.socket_group)
+        os.chmod(self.config.socket, 0o660)
+        supervisor = self.supervisor
+        if not supervisor.privileged:
+            self.log.warn(
+                "not running as root: every runner runs as uid {uid}, the supervisor's own",
+                uid=os.getuid(),
+            )
+        self.log.info(
+            "corral listening on {socket}: isolation {isolation}, storage {storage}, "
+            "workspaces in {root}",
+            socket=self.config.socket,
+            isolation=supervisor.isolation.name,
+            storage=supervisor.storage.name,
+            root=self.config.workspace_root,
+        )
+        sdnotify.notify("READY=1\nSTATUS=listening on " + self.config.socket)
+
+    def stopService(self):
+        """Stop accepting, kill every runner, wait for them, then close the audit sinks."""
+        sdnotify.notify("STOPPING=1")
+        listening_stopped = super().stopService() or succeed(None)
+        return listening_stopped.addCallback(lambda _: self._stop_connections())
+
+    def _stop_connections(self):
+        connections = list(self.supervisor.connections)
+        self.log.info("stopping {count} connections", count=len(connections))
+        waits = []
+        for connection in connections:
+            waits.append(connection.closed)
+            connection.transport.abortConnection()
+        done = DeferredList(waits, consumeErrors=True)
+        done.addTimeout(self.config.stop_timeout, self.reactor)
+        done.addErrback(self._stop_timed_out)
+        return done.addCallback(self._stopped)
+
+    def _stop_timed_out(self, failure):
+        failure.trap(defer.TimeoutError, defer.CancelledError)
+        left = sorted(c.connection_id for c in self.supervisor.connections)
+        self.log.error(
+            "runners of connections {left} did not die within {timeout} s; exiting anyway",
+            left=left,
+            timeout=self.config.stop_timeout,
+        )
+
+    def _stopped(self, _):
+        try:
+            os.unlink(self.config.socket)
+        except OSError:
+            pass
+        return self.supervisor.auditor.close()

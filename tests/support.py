@@ -1,0 +1,131 @@
+"""Helpers the integration tests share: a real supervisor process, and a client."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORRAL = [sys.executable, "-m", "supervisor"]
+IS_ROOT = os.geteuid() == 0
+
+
+def traversable_tempdir(prefix: str) -> str:
+    """A temporary directory every uid can traverse (pytest's tmp_path is 0700)."""
+    path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    os.chmod(path, 0o711)
+    return path
+
+
+class RunningSupervisor:
+    """A ``corral serve`` process on a private socket, state and workspace root."""
+
+    def __init__(self, isolation: str = "none", extra_args=(), env=None, base=None):
+        self.base = base or traversable_tempdir("corral-test-")
+        self.socket = os.path.join(self.base, "run", "corral.sock")
+        self.state_dir = os.path.join(self.base, "state")
+        self.workspace_root = os.path.join(self.state_dir, "workspaces")
+        self.audit_path = os.path.join(self.state_dir, "audit.jsonl")
+        self.log_path = os.path.join(self.base, "supervisor.log")
+        self.isolation = isolation
+        self.args = [
+            *CORRAL, "serve",
+            "--socket", self.socket,
+            "--state-dir", self.state_dir,
+            "--isolation", isolation,
+            "--log-format", "json",
+            *extra_args,
+        ]
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+        self.env.update(env or {})
+        self.process = None
+
+    def start(self, timeout: float = 15.0) -> "RunningSupervisor":
+        """Start the process and wait until its socket accepts connections."""
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.args, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"corral serve exited {self.process.returncode}:\n{self.log()}")
+            if "corral listening on" in self.log():
+                return self
+            time.sleep(0.02)
+        raise RuntimeError(f"corral serve did not listen within {timeout} s:\n{self.log()}")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM the supervisor and wait for it; return its exit status."""
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise RuntimeError(f"corral serve ignored SIGTERM:\n{self.log()}")
+
+    def log(self) -> str:
+        """Everything the supervisor logged so far."""
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def audit_events(self) -> list[dict]:
+        """The audit events written so far."""
+        try:
+            with open(self.audit_path, encoding="utf-8") as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    def cleanup(self) -> None:
+        """Stop and remove every file this supervisor made."""
+        try:
+            self.stop()
+        finally:
+            if getattr(self, "_log", None):
+                self._log.close()
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):
+    """Poll ``predicate`` until it returns a true value; return it, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s: {predicate}")
+        time.sleep(interval)
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Pids of live (non-zombie) processes whose real uid is ``uid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        fields = dict(
+            line.split(":", 1) for line in status.splitlines() if ":" in line
+        )
+        if fields.get("State", "").strip().startswith("Z"):
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            found.append(int(entry))
+    return found
