@@ -47,11 +47,14 @@ class BwrapIsolation:
         search = "/usr/bin:/bin:/usr/sbin:/sbin"
         self.bwrap = shutil.which("bwrap", path=search)
         self.setpriv = shutil.which("setpriv", path=search)
+        self.env = shutil.which("env", path=search) or "/usr/bin/env"
         self.privileged = os.geteuid() == 0
         self._binds = _system_binds()
         self._reason = self._probe()
 
-    def _sandbox(self, uid: int, gid: int, workspace: str, extra_ro: list[str]) -> list[str]:
+    def _sandbox(
+        self, uid: int, gid: int, workspace: str, extra_ro: list[str], bind: str | None = None
+    ) -> list[str]:
         args = [
             self.bwrap,
             "--unshare-user",
@@ -78,7 +81,10 @@ class BwrapIsolation:
         ]
         for path in extra_ro:
             args += ["--ro-bind", path, path]
-        args += ["--bind", workspace, workspace, "--chdir", workspace, "--"]
+        bind = bind or workspace
+        # bwrap always exports PWD, after every option is applied; ``env -u``
+        # keeps the runner's environment exactly what the supervisor gave.
+        args += ["--bind", bind, bind, "--chdir", workspace, "--", self.env, "-u", "PWD"]
         if self.privileged:
             args = setpriv_drop(self.setpriv, uid, gid) + args
         return args
@@ -112,7 +118,15 @@ class BwrapIsolation:
 
     def spawn_spec(self, launch):
         """``[setpriv drop --] bwrap SANDBOX -- runner``."""
-        args = self._sandbox(launch.uid, launch.gid, launch.workspace, [launch.runner_dir])
+        # The owner's whole directory is bound, so conversations of one owner
+        # see each other as they would under setpriv (DESIGN.md: they share a uid).
+        args = self._sandbox(
+            launch.uid,
+            launch.gid,
+            launch.workspace,
+            [launch.runner_dir],
+            bind=os.path.dirname(launch.workspace),
+        )
         args += launch.runner_command()
         return SpawnSpec(args[0], tuple(args), dict(launch.env))
 

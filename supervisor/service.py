@@ -100,8 +100,13 @@ def prepare_socket(config) -> None:
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         make_directories(directory, 0o750)
+    if not os.stat(directory).st_mode & stat.S_ISVTX:
+        # Permissions belong on the socket's directory: only root and the
+        # socket group may reach the socket. A shared sticky directory such
+        # as /tmp is left alone.
         if os.geteuid() == 0:
             os.chown(directory, 0, config.socket_group)
+        os.chmod(directory, 0o750)
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -47,6 +47,7 @@ class RunningSupervisor:
     def start(self, timeout: float = 15.0) -> "RunningSupervisor":
         """Start the process and wait until its socket accepts connections."""
         self._log = open(self.log_path, "ab")
+        already_logged = len(self.log())
         self.process = subprocess.Popen(
             self.args, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -55,7 +56,7 @@ class RunningSupervisor:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"corral serve exited {self.process.returncode}:\n{self.log()}")
-            if "corral listening on" in self.log():
+            if "corral listening on" in self.log()[already_logged:]:
                 return self
             time.sleep(0.02)
         raise RuntimeError(f"corral serve did not listen within {timeout} s:\n{self.log()}")
