@@ -316,3 +316,39 @@ def test_concurrent_clients(supervisor):
     for t in threads:
         t.join(60)
     assert errors == []
+
+
+@pytest.mark.root
+def test_no_privileges_left(supervisor):
+    """The runner has no capabilities in any set, no_new_privs, and no supplementary groups."""
+    with open_session(supervisor) as session:
+        output, _ = bash(session, "grep -E '^(Cap|NoNewPrivs|Groups)' /proc/$PPID/status")
+    fields = dict(line.split(":", 1) for line in output.strip().splitlines())
+    for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(fields[name].strip(), 16) == 0, output
+    assert fields["NoNewPrivs"].strip() == "1"
+    assert fields["Groups"].split() in ([], [str(session.reply["uid"])])
+
+
+@pytest.mark.root
+def test_bwrap_denies_nested_user_namespaces(start_supervisor):
+    """Inside bwrap a tenant cannot create a user namespace (a way back to capabilities)."""
+    supervisor = start_supervisor("bwrap")
+    with open_session(supervisor) as session:
+        output, result = bash(session, "unshare --user --map-root-user id -u")
+    assert result["exitCode"] != 0, output
+
+
+@pytest.mark.root
+def test_symlinked_conversation_is_refused_not_followed(supervisor):
+    """A tenant's symlink in place of a conversation directory is refused; root never chowns its target."""
+    with open_session(supervisor, "mallory", "c-1") as session:
+        owner_dir = os.path.dirname(session.reply["workspace"])
+        target = os.path.join(supervisor.base, "root-only")
+        os.mkdir(target, 0o700)
+        bash(session, f"ln -s {target} {owner_dir}/c-evil")
+    with pytest.raises(HelloRefused) as caught:
+        Session.connect(supervisor.socket, "mallory", "c-evil")
+    assert caught.value.code == "unavailable"
+    assert os.lstat(target).st_uid == 0
+    assert stat.S_IMODE(os.lstat(target).st_mode) == 0o700
