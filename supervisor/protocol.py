@@ -9,20 +9,31 @@ seconds) → ``starting`` (identity, workspace, spawn; the client is paused)
 import itertools
 import json
 import os
+import select
 import socket
 import struct
 
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import LoopingCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from zope.interface import implementer
 
 from supervisor.errors import BAD_HELLO, INTERNAL, LIMIT, UNAVAILABLE, CorralError
 from supervisor.hello import MAX_HELLO_BYTES, Hello, parse_hello
-from supervisor.runner_process import RunnerOutputProducer, RunnerProcessProtocol
+from supervisor.runner_process import (
+    ClientInputProducer,
+    RunnerOutputProducer,
+    RunnerProcessProtocol,
+)
 from supervisor.spawn import RunnerLaunch, runner_env
 
 _connection_ids = itertools.count(1)
+
+#: How often a client that is not being read is checked for a hang-up.
+HANGUP_CHECK_SECONDS = 1.0
 
 
 def peer_credentials(transport) -> dict:
@@ -38,6 +49,7 @@ def peer_credentials(transport) -> dict:
     return {"peer_pid": pid, "peer_uid": uid, "peer_gid": gid}
 
 
+@implementer(IHalfCloseableProtocol)
 class ConversationProtocol(Protocol):
     """A client asking for a conversation's runner, then talking to it."""
 
@@ -57,6 +69,8 @@ class ConversationProtocol(Protocol):
         self.bytes_in = 0
         self.bytes_out = 0
         self.closed: Deferred = Deferred()
+        self._client_eof = False
+        self._hangup_watch = None
 
     # -- hello ---------------------------------------------------------
 
@@ -121,7 +135,7 @@ class ConversationProtocol(Protocol):
                 return
             self.hello = hello
             self.state = "starting"
-            self.transport.pauseProducing()
+            self.pause_client()
             self._start(hello).addErrback(self._start_failed)
         elif self.state == "starting":
             self._buffer += data
@@ -130,6 +144,62 @@ class ConversationProtocol(Protocol):
         if self._hello_timer is not None and self._hello_timer.active():
             self._hello_timer.cancel()
         self._hello_timer = None
+
+    # -- reading the client: pauses, end of input, hang-ups -------------
+
+    def pause_client(self):
+        """Stop reading the client (its runner is busy), but keep noticing if it hangs up."""
+        self.transport.pauseProducing()
+        self._watch_hangup()
+
+    def resume_client(self):
+        """Read the client again."""
+        if not self._client_eof:
+            self._stop_hangup_watch()
+            self.transport.resumeProducing()
+
+    def readConnectionLost(self):
+        """The client shut down its sending side: the runner's stdin ends, its answers still flow."""
+        self._client_eof = True
+        if self.state == "hello":
+            self.refuse(
+                CorralError(BAD_HELLO, "the client ended its input before a complete hello")
+            )
+        elif self.state == "relaying":
+            self.runner.transport.closeStdin()
+            self._watch_hangup()
+
+    def writeConnectionLost(self):
+        """The client can no longer receive: nothing the runner says can reach it."""
+        self.transport.abortConnection()
+
+    def _watch_hangup(self):
+        """While the client is not being read, look for a hang-up once a second.
+
+        A socket nobody reads reports no end of file, so a client that
+        disconnects while paused would otherwise leave its runner behind.
+        """
+        if self._hangup_watch is None and hasattr(self.transport, "fileno"):
+            self._hangup_watch = LoopingCall(self._check_hangup)
+            self._hangup_watch.clock = self.reactor
+            self._hangup_watch.start(HANGUP_CHECK_SECONDS, now=False)
+
+    def _stop_hangup_watch(self):
+        if self._hangup_watch is not None:
+            if self._hangup_watch.running:
+                self._hangup_watch.stop()
+            self._hangup_watch = None
+
+    def _check_hangup(self):
+        try:
+            poller = select.poll()
+            poller.register(self.transport.fileno(), select.POLLHUP)
+            events = poller.poll(0)
+        except (OSError, ValueError):
+            events = [(None, select.POLLHUP)]
+        if events and events[0][1] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+            self._stop_hangup_watch()
+            self.transport.abortConnection()
 
     # -- start ---------------------------------------------------------
 
@@ -168,12 +238,15 @@ class ConversationProtocol(Protocol):
             }
         )
         self.state = "relaying"
-        self.runner.transport.pipes[0].registerProducer(self.transport, True)
+        self.runner.transport.pipes[0].registerProducer(ClientInputProducer(self), True)
         self.transport.registerProducer(RunnerOutputProducer(self.runner), True)
         if self._buffer:
             pending, self._buffer = bytes(self._buffer), bytearray()
             self.dataReceived(pending)
-        self.transport.resumeProducing()
+        if self._client_eof:
+            self.readConnectionLost()
+        else:
+            self.resume_client()
 
     def _spawn(self):
         supervisor = self.supervisor
@@ -296,6 +369,7 @@ class ConversationProtocol(Protocol):
     def connectionLost(self, reason):
         """Kill the runner's tree, let storage persist, then record the close."""
         self._cancel_hello_timer()
+        self._stop_hangup_watch()
         self.state = "closed"
         runner = self.runner
         if runner is None:

@@ -80,6 +80,31 @@ class RunnerOutputProducer:
         self.process_protocol.kill()
 
 
+@implementer(IPushProducer)
+class ClientInputProducer:
+    """Lets the runner's stdin pause and resume reading from the client.
+
+    The client's transport is not registered directly: when the runner
+    closes its stdin, Twisted stops the producer of that pipe, and the
+    runner's output must still reach the client. Bytes the client sends
+    after that are dropped.
+    """
+
+    def __init__(self, connection):
+        self.connection = connection
+
+    def pauseProducing(self):
+        """The runner's stdin is full: stop reading the client."""
+        self.connection.pause_client()
+
+    def resumeProducing(self):
+        """The runner's stdin drained: read the client again."""
+        self.connection.resume_client()
+
+    def stopProducing(self):
+        """The runner closed its stdin; the connection lives on for its output."""
+
+
 class RunnerProcessProtocol(ProcessProtocol):
     """One runner process. ``on_output`` receives its stdout bytes."""
 

@@ -151,7 +151,9 @@ class CorralService(MultiService):
     def prepare(self) -> None:
         """Blocking start-up work done before the reactor runs."""
         prepare_socket(self.config)
-        self.supervisor.runner_script = install_runner_code(self.config.state_dir)
+        self.supervisor.runner_script = install_runner_code(
+            self.config.state_dir, self.config.runner_python
+        )
         removed = self.supervisor.identities.remove_leftovers()
         if removed:
             self.log.info("removed {count} half-created owner directories", count=len(removed))

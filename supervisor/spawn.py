@@ -3,6 +3,7 @@
 import hashlib
 import os
 import shutil
+import subprocess
 
 import runner
 from attrs import field, frozen
@@ -55,18 +56,20 @@ def runner_env(workspace: str) -> dict:
     return env
 
 
-def install_runner_code(state_dir: str) -> str:
+def install_runner_code(state_dir: str, python: str) -> str:
     """Copy the runner package where every uid can read it; return its ``__main__.py``.
 
     The copy lives in ``<state_dir>/runner/<digest>/runner/`` (directories
     0755, files 0644, owned by the supervisor's user), named by a digest of
     the sources so a running runner's code is never rewritten under it. The
     supervisor's own install may sit under ``/root`` or another path tenant
-    uids cannot traverse.
+    uids cannot traverse. The copy is byte-compiled by ``python``, the
+    runner's interpreter: runners cannot write ``__pycache__`` there, and
+    compiling at every start would cost each conversation milliseconds.
     """
     source_dir = os.path.dirname(os.path.abspath(runner.__file__))
     names = sorted(n for n in os.listdir(source_dir) if n.endswith(".py"))
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(python.encode() + b"\0")
     for name in names:
         with open(os.path.join(source_dir, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read() + b"\0")
@@ -83,7 +86,14 @@ def install_runner_code(state_dir: str) -> str:
             target = os.path.join(staging, "runner", name)
             shutil.copyfile(os.path.join(source_dir, name), target)
             os.chmod(target, 0o644)
-        os.chmod(staging, 0o755)
+        subprocess.run(
+            [python, "-I", "-m", "compileall", "-q", os.path.join(staging, "runner")],
+            check=True,
+        )
+        for directory, _, files in os.walk(staging):
+            os.chmod(directory, 0o755)
+            for name in files:
+                os.chmod(os.path.join(directory, name), 0o644)
         try:
             os.rename(staging, top)
         except OSError:
