@@ -125,8 +125,8 @@ def _spawn(command, write_fd, options):
         marker = f"{_runner_token}.{_state['calls']}"
         environment = _environment.copy()
         environment[MARKER_VARIABLE] = marker
-        pid = os.posix_spawnp(
-            "bash", ["bash", "-c", command], environment,
+        pid = os.posix_spawn(
+            _bash_path(), ["bash", "-c", command], environment,
             file_actions=[(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
                           (os.POSIX_SPAWN_DUP2, write_fd, 1),
                           (os.POSIX_SPAWN_DUP2, write_fd, 2)],
@@ -137,6 +137,21 @@ def _spawn(command, write_fd, options):
         )
         job = _jobs[pid] = _Job(pid, marker)
     return job
+
+
+def _bash_path():
+    """bash's absolute path on the runner's PATH, found once (a PATH search per call costs failed execs)."""
+    path = _state.get("bash")
+    if path is None:
+        for directory in _environment.get("PATH", os.defpath).split(os.pathsep):
+            candidate = os.path.join(directory or ".", "bash")
+            if os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+                path = candidate
+                break
+        else:
+            raise OSError(2, "bash was not found on the runner's PATH")
+        _state["bash"] = path
+    return path
 
 
 def _become_subreaper():

@@ -27,6 +27,7 @@ from supervisor.runner_process import (
     ClientInputProducer,
     RunnerOutputProducer,
     RunnerProcessProtocol,
+    write_now,
 )
 from supervisor.spawn import RunnerLaunch, runner_env
 
@@ -324,7 +325,7 @@ class ConversationProtocol(Protocol):
 
     def _runner_output(self, data: bytes) -> None:
         self.bytes_out += len(data)
-        self.transport.write(data)
+        write_now(self.transport, data)
 
     def _runner_ended(self, status: dict) -> dict:
         self.supervisor.auditor.emit("runner_exited", **status, **self._audit_ids())

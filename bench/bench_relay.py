@@ -1,0 +1,106 @@
+"""Relay throughput, and the supervisor's memory while a client stops reading.
+
+Throughput: a "runner" (``dd if=/dev/zero bs=64K``, through the
+benchmark-only ``flood`` isolation) writes 1 GiB through the supervisor to a
+client that reads as fast as it can. Floor: ``dd if=/dev/zero bs=64K | cat
+>/dev/null`` moving the same bytes through one pipe. Target: at least 0.9x
+the floor's throughput.
+
+Memory: the same flood, but the client reads nothing for 5 s; the
+supervisor's RSS growth over its level before the connection, sampled
+every 50 ms. Target: at most 16 MiB.
+
+    .venv/bin/python -m bench.bench_relay [--gib N]
+"""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+from bench.common import RunningSupervisor, record, rss_kib
+
+GIB = 1 << 30
+
+
+def connect(path: str) -> socket.socket:
+    """Connect and read the reply; return the socket positioned at the runner's bytes."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(path)
+    sock.sendall(b'{"corral": 1, "owner": "bench", "conversation": "relay"}\n')
+    reply = b""
+    while not reply.endswith(b"\n"):
+        reply += sock.recv(1)
+    assert json.loads(reply)["ok"], reply
+    return sock
+
+
+def read_all(sock: socket.socket) -> int:
+    """Read until EOF; return the byte count."""
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
+    total = 0
+    while True:
+        n = sock.recv_into(view)
+        if not n:
+            return total
+        total += n
+
+
+def floor(size: int) -> float:
+    """Seconds for dd | cat to move ``size`` bytes through a pipe."""
+    start = time.perf_counter()
+    subprocess.run(
+        f"dd if=/dev/zero bs=64K count={size // 65536} status=none | cat >/dev/null",
+        shell=True, check=True,
+    )
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    size = int(float(sys.argv[sys.argv.index("--gib") + 1]) * GIB) if "--gib" in sys.argv else GIB
+    supervisor = RunningSupervisor(
+        f"flood:{size}", extra_args=["--plugins", "tests.relay_plugin"]
+    ).start()
+    try:
+        rounds = []
+        for _ in range(3):
+            base = floor(size)
+            sock = connect(supervisor.socket)
+            start = time.perf_counter()
+            received = read_all(sock)
+            ours = time.perf_counter() - start
+            sock.close()
+            assert received == size, received
+            rounds.append({"corral_gbps": size / ours / 1e9, "floor_gbps": size / base / 1e9})
+        best = max(rounds, key=lambda r: r["corral_gbps"])
+        floor_best = max(r["floor_gbps"] for r in rounds)
+        pid = supervisor.process.pid
+        before = rss_kib(pid)
+        sock = connect(supervisor.socket)
+        peak = before
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            peak = max(peak, rss_kib(pid))
+            time.sleep(0.05)
+        received = read_all(sock)
+        sock.close()
+        assert received == size, (received, size)
+        result = {
+            "bytes": size,
+            "corral_gbps": round(best["corral_gbps"], 3),
+            "floor_gbps": round(floor_best, 3),
+            "ratio": round(best["corral_gbps"] / floor_best, 3),
+            "target_ratio": 0.9,
+            "rounds": [{k: round(v, 3) for k, v in r.items()} for r in rounds],
+            "stalled_client_rss_growth_mib": round((peak - before) / 1024, 2),
+            "target_rss_growth_mib": 16,
+        }
+    finally:
+        supervisor.cleanup()
+    record("relay", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""What the benchmarks share: percentiles, process memory, result records."""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from supervisor import proctree  # noqa: E402
+from tests.support import RunningSupervisor  # noqa: E402,F401
+
+RESULTS_DIR = os.path.join(REPO, "bench", "results")
+
+
+def percentile(samples: list[float], fraction: float) -> float:
+    """The ``fraction`` quantile (0.5 = median) of ``samples``."""
+    ordered = sorted(samples)
+    index = min(len(ordered) - 1, max(0, round(fraction * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def timed(function, count: int) -> list[float]:
+    """Run ``function`` ``count`` times; return each duration in milliseconds."""
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        function()
+        samples.append((time.perf_counter() - start) * 1000)
+    return samples
+
+
+def summary(samples: list[float]) -> dict:
+    """p50, p90 and the count of a list of millisecond samples."""
+    return {
+        "p50_ms": round(percentile(samples, 0.5), 3),
+        "p90_ms": round(percentile(samples, 0.9), 3),
+        "mean_ms": round(statistics.fmean(samples), 3),
+        "n": len(samples),
+    }
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of ``pid`` in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise ValueError(f"no VmRSS for {pid}")
+
+
+def uss_kib(pid: int) -> int:
+    """Unique set size (private clean + dirty) of ``pid`` in KiB."""
+    total = 0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1])
+    return total
+
+
+def tree_uss_kib(pid: int) -> int:
+    """USS of ``pid`` and every descendant, in KiB."""
+    return sum(uss_kib(p) for p in [pid, *proctree.descendants(pid)] if proctree.alive(p))
+
+
+def isolations() -> list[str]:
+    """The isolation strategies to measure: from argv, else both real ones as root."""
+    chosen = []
+    arguments = sys.argv[1:]
+    for i, argument in enumerate(arguments):
+        if not argument.startswith("-") and not (i and arguments[i - 1].startswith("--")):
+            chosen.append(argument)
+    if chosen:
+        return chosen
+    return ["setpriv", "bwrap"] if os.geteuid() == 0 else ["none"]
+
+
+def record(name: str, result: dict) -> dict:
+    """Print ``result`` and save it as bench/results/NAME.json."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    result = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
+    with open(os.path.join(RESULTS_DIR, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    return result
