@@ -42,6 +42,7 @@ class BwrapIsolation:
     """Bubblewrap with the owner's uid; usable when unprivileged user namespaces are."""
 
     name = "bwrap"
+    runs_as_owner = True
 
     def __init__(self):
         search = "/usr/bin:/bin:/usr/sbin:/sbin"

@@ -15,6 +15,7 @@ class NoIsolation:
     """No namespaces and no uid drop: the runner is the supervisor's user, network included."""
 
     name = "none"
+    runs_as_owner = False
 
     def unavailable_reason(self):
         """Always usable."""

@@ -40,6 +40,7 @@ class SetprivIsolation:
     """Owner uid via setpriv, namespaces via unshare; needs root."""
 
     name = "setpriv"
+    runs_as_owner = True
 
     def __init__(self):
         self.unshare = shutil.which("unshare", path="/usr/bin:/bin:/usr/sbin:/sbin")

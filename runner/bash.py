@@ -26,8 +26,9 @@ MARKER_VARIABLE = "CORRAL_BASH_CALL"
 DRAIN_SECONDS = 0.05
 #: Progress notifications are sent at most this often, ...
 PROGRESS_INTERVAL = 0.1
-#: ... and each carries at most this much of the newest output.
-PROGRESS_MAX_BYTES = 16 * 1024
+#: ... unless this much output is waiting: then at once. Every byte is sent;
+#: a client that reads slowly slows the command down, nothing is dropped.
+PROGRESS_FLUSH_BYTES = 256 * 1024
 #: Without pidfds, how often to look whether bash has exited.
 POLL_SECONDS = 0.05
 
@@ -315,7 +316,6 @@ class _Output:
         self.spill_error = None
         self._spill_fd = None
         self._pending = bytearray()
-        self._pending_cut = False
         self._next_progress = 0.0
         self._decoder = None
 
@@ -334,9 +334,6 @@ class _Output:
             del self.tail[:-(self.max_bytes + 1)]
         if self.progress is not None:
             self._pending += data
-            if len(self._pending) > PROGRESS_MAX_BYTES:
-                del self._pending[:-PROGRESS_MAX_BYTES]
-                self._pending_cut = True
 
     def line_count(self):
         """Lines of output so far; a final line without a newline counts."""
@@ -371,20 +368,21 @@ class _Output:
         """Seconds until unsent output is due in a progress notification, or None."""
         if not self._pending:
             return None
+        if len(self._pending) >= PROGRESS_FLUSH_BYTES:
+            return 0.0
         return max(0.0, self._next_progress - now)
 
     def send_progress(self, now, force=False):
         """Send unsent output as a progress notification if one is due (or if force)."""
-        if not self._pending or (now < self._next_progress and not force):
+        if not self._pending:
             return
-        if self._decoder is None or self._pending_cut:
+        if now < self._next_progress and not force and len(self._pending) < PROGRESS_FLUSH_BYTES:
+            return
+        if self._decoder is None:
             import codecs
 
             self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            if self._pending_cut:
-                _strip_continuation_bytes(self._pending)
-                self._pending_cut = False
-        text = self._decoder.decode(bytes(self._pending))
+        text = self._decoder.decode(bytes(self._pending), final=force)
         self._pending.clear()
         self._next_progress = now + PROGRESS_INTERVAL
         if text:

@@ -34,8 +34,13 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
+def build_parser(with_config_flags: bool = True) -> argparse.ArgumentParser:
+    """The argument parser of every subcommand.
+
+    The configuration flags of ``serve`` and ``check`` come from
+    ``supervisor.config``, which imports attrs; client commands skip them
+    and start faster.
+    """
     parser = argparse.ArgumentParser(
         prog="corral",
         description="Execution workspaces for AI-agent runtimes.",
@@ -43,12 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the supervisor in the foreground")
-    _add_config_flags(serve)
-
     check = commands.add_parser(
         "check", help="print the effective configuration and the prerequisites"
     )
-    _add_config_flags(check)
+    if with_config_flags:
+        _add_config_flags(serve)
+        _add_config_flags(check)
 
     relay = commands.add_parser(
         "relay", help="connect stdin/stdout to a conversation's runner (for MCP clients)"
@@ -87,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         from runner.server import main as runner_main
 
         return runner_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    client_command = argv[:1] in (["relay"], ["exec"], ["call"])
+    args = build_parser(with_config_flags=not client_command).parse_args(argv)
     if args.command in ("serve", "check"):
         from supervisor.errors import ConfigError
 

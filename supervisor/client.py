@@ -722,13 +722,12 @@ def _result_text(result: dict) -> str:
     )
 
 
-def _bash_output(result: dict, size: int | None = None) -> str:
+def _bash_output(result: dict) -> str:
     """The command's output in a bash result, without the notes the runner appends.
 
     The runner shows ``(no output)`` for an empty output, and after a
     non-zero exit, a signal, a timeout, a cancel or a cut adds its notes
-    after a blank line, replacing the output's trailing newlines.  ``size``,
-    the output's length in bytes when known, tells how many there were.
+    after a blank line, in place of the output's trailing newlines.
     """
     text = _result_text(result)
     structured = result.get("structuredContent") or {}
@@ -742,90 +741,32 @@ def _bash_output(result: dict, size: int | None = None) -> str:
     if not noted:
         return "" if text == "(no output)" else text
     cut = text.rfind("\n\n")
-    if cut < 0:
-        return ""
-    output = text[:cut]
-    newlines = 1
-    if size is not None and not structured.get("truncated"):
-        missing = size - len(output.encode("utf-8", "replace"))
-        if 0 <= missing <= 4096:
-            newlines = missing
-    return output + "\n" * newlines
+    return "" if cut < 0 else text[:cut] + "\n"
 
 
 class _ExecOutput:
-    """Writes a bash call's output to stdout once, in order, from progress and the result.
+    """Writes a bash call's output to stdout as progress notifications bring it.
 
-    Progress notifications carry the output as it comes, each with the
-    total byte count so far as ``progress``.  When output comes faster than
-    the runner streams it, it sends only the newest part of a burst: the
-    byte count then jumps past what was received.  At such a gap streaming
-    pauses, and the missing part is taken from the result, which holds the
-    output's tail; only output that outgrew that tail is lost, and then the
-    file holding the full output is named on stderr.
+    corral's runner streams every byte of a command's output in progress
+    notifications when the call carries a progress token; a server that
+    streams nothing gets its result's text written at the end instead.
     """
-
-    #: The runner's result keeps at most this many bytes of output (50 KiB).
-    RESULT_TAIL_BYTES = 50 * 1024
-    #: Bytes of an unfinished UTF-8 character a chunk may leave for the next one.
-    DECODER_SLACK = 3
 
     def __init__(self, fd: int = 1) -> None:
         self.fd = fd
-        self.position = 0  # bytes of output written so far (the progress count)
-        self.total = 0  # the largest progress count seen
         self.streamed = False
-        self.paused = False
-        self.skipped = False
 
     def on_progress(self, params: dict) -> None:
-        """Handle one progress notification of the bash call."""
+        """Write the output one progress notification carries."""
         text = params.get("message")
-        count = params.get("progress")
-        if not isinstance(text, str) or not text:
-            return
-        data = text.encode("utf-8", "replace")
-        if not isinstance(count, (int, float)) or isinstance(count, bool):
-            # Not corral's runner: no byte count to check against.
+        if isinstance(text, str) and text:
             self.streamed = True
-            _write_all(self.fd, data)
-            return
-        self.total = max(self.total, count)
-        if not self.paused and count - len(data) - self.position > self.DECODER_SLACK:
-            self.paused = True
-        if self.paused:
-            if count - self.RESULT_TAIL_BYTES <= self.position:
-                return  # the result will still hold what was skipped
-            # It no longer will: say so, and stream again from here.
-            self.paused = False
-            self.skipped = True
-            sys.stderr.write(
-                "\ncorral exec: output came faster than it can be streamed; some was "
-                "skipped here (the file with all of it is named at the end)\n"
-            )
-            sys.stderr.flush()
-        self.streamed = True
-        _write_all(self.fd, data)
-        self.position = count
+            _write_all(self.fd, text.encode("utf-8", "replace"))
 
     def finish(self, result: dict) -> None:
-        """Write what the progress notifications did not carry, from the result."""
-        structured = result.get("structuredContent") or {}
-        full_path = structured.get("fullOutputPath")
-        if not self.streamed and not self.paused:
+        """Write the result's output if nothing was streamed."""
+        if not self.streamed:
             _write_all(self.fd, _bash_output(result).encode("utf-8", "replace"))
-            return
-        if self.paused:
-            tail = _bash_output(result, self.total).encode("utf-8", "replace")
-            tail_start = self.total - len(tail) if structured.get("truncated") else 0
-            if tail_start <= self.position:
-                _write_all(self.fd, tail[max(0, self.position - tail_start):])
-            else:
-                self.skipped = True
-                _write_all(self.fd, tail)
-        if self.skipped:
-            where = f"is in {full_path}" if full_path else "could not be saved"
-            sys.stderr.write(f"corral exec: some output was skipped; all of it {where}\n")
 
 
 def exec_main(

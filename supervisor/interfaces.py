@@ -45,6 +45,10 @@ class IIsolationStrategy(Interface):
     """How a runner is started: which uid, which namespaces, which sandbox."""
 
     name = Attribute("The strategy's configuration name, such as 'bwrap'.")
+    runs_as_owner = Attribute(
+        "True when runners run as the owner's uid; False when they run as "
+        "the supervisor's own user (the reply then reports that uid)."
+    )
 
     def unavailable_reason():
         """None when this strategy can run here, else a sentence saying why not."""

@@ -233,7 +233,7 @@ class ConversationProtocol(Protocol):
                 "ok": True,
                 "owner": hello.owner,
                 "conversation": hello.conversation,
-                "uid": self.identity.uid,
+                "uid": self.runner_uid,
                 "workspace": self.workspace,
                 "isolation": supervisor.isolation.name,
             }
@@ -248,6 +248,13 @@ class ConversationProtocol(Protocol):
             self.readConnectionLost()
         else:
             self.resume_client()
+
+    @property
+    def runner_uid(self) -> int:
+        """The uid the runner's tools really run as."""
+        if self.supervisor.isolation.runs_as_owner:
+            return self.identity.uid
+        return os.geteuid()
 
     def _spawn(self):
         supervisor = self.supervisor
@@ -286,7 +293,7 @@ class ConversationProtocol(Protocol):
         supervisor.auditor.emit(
             "runner_started",
             pid=self.runner.pid,
-            uid=self.identity.uid,
+            uid=self.runner_uid,
             isolation=supervisor.isolation.name,
             **self._audit_ids(),
         )
@@ -295,7 +302,7 @@ class ConversationProtocol(Protocol):
             pid=self.runner.pid,
             owner=self.hello.owner,
             conversation=self.hello.conversation,
-            uid=self.identity.uid,
+            uid=self.runner_uid,
         )
 
     def _start_failed(self, failure):

@@ -20,6 +20,8 @@ from supervisor.spawn import SpawnSpec
 class CommandIsolation:
     """Spawns a fixed command instead of a runner."""
 
+    runs_as_owner = False
+
     def __init__(self, name: str, args: tuple[str, ...]):
         self.name = name
         self.args = args

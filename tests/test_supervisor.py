@@ -352,3 +352,11 @@ def test_symlinked_conversation_is_refused_not_followed(supervisor):
     assert caught.value.code == "unavailable"
     assert os.lstat(target).st_uid == 0
     assert stat.S_IMODE(os.lstat(target).st_mode) == 0o700
+
+
+def test_isolation_none_reports_the_uid_it_really_uses(start_supervisor):
+    """Under 'none' the reply names the supervisor's own uid, the one tools really run as."""
+    supervisor = start_supervisor("none")
+    with open_session(supervisor) as session:
+        assert session.reply["uid"] == os.geteuid()
+        assert int(bash(session, "id -u")[0].split()[0]) == os.geteuid()

@@ -240,12 +240,15 @@ def test_progress_notifications_stream_output(runner):
     assert values[-1] == len("line1\nline2\nline3\n")
 
 
-def test_progress_is_coalesced_for_a_flood(runner):
-    """A flood of output yields a bounded number of progress notifications."""
+def test_progress_is_coalesced_for_a_flood_and_complete(runner):
+    """A flood yields few progress notifications that together carry every byte, in order."""
     call = runner.start_tool("bash", {"command": "seq 1 200000"}, meta={"progressToken": 7})
     runner.response(call, timeout=30)
-    progress = [m for m in runner.messages if m.get("method") == "notifications/progress"]
+    progress = [m["params"] for m in runner.messages if m.get("method") == "notifications/progress"]
     assert 1 <= len(progress) < 200
+    expected = "".join(f"{i}\n" for i in range(1, 200001))
+    assert "".join(p["message"] for p in progress) == expected
+    assert progress[-1]["progress"] == len(expected)
 
 
 def test_no_progress_without_a_token(runner):
