@@ -23,7 +23,7 @@ test: $(TEST_STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: $(TEST_STAMP)
-	$(VENV)/bin/python bench/run_all.py
+	cd $(CURDIR) && $(VENV)/bin/python bench/run_all.py
 
 system-packages:
 	@missing=""; \

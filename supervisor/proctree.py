@@ -13,7 +13,12 @@ import signal
 
 
 def children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (every thread's), or [] once it is gone."""
+    """The direct children of ``pid`` (every thread's), or [] once it is gone.
+
+    Reads ``/proc/PID/task/TID/children``; on kernels built without
+    CONFIG_PROC_CHILDREN, falls back to finding the processes whose parent
+    is ``pid`` in ``/proc/*/stat``.
+    """
     result = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -23,9 +28,29 @@ def children(pid: int) -> list[int]:
         try:
             with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
                 result.extend(int(p) for p in f.read().split())
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue
+            return _children_from_stat(pid)
         except OSError:
             continue
     return result
+
+
+def _children_from_stat(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rfind(b")") + 2 :].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
 
 
 def descendants(pid: int) -> list[int]:

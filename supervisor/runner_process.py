@@ -21,8 +21,9 @@ from zope.interface import implementer
 
 from supervisor import proctree
 
-#: Bytes read from the runner's stdout per read call (Twisted's default is 8 KiB).
-READ_SIZE = 1 << 16
+#: Bytes read from the runner's stdout per read call (Twisted's default is 8 KiB;
+#: 256 KiB from a 1 MiB pipe moved ~1.5-1.9 GB/s here against ~1.4 with 64 KiB).
+READ_SIZE = 1 << 18
 #: Pipe capacity asked for with F_SETPIPE_SZ.
 PIPE_SIZE = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -30,6 +31,9 @@ _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 STDERR_BUDGET = 64 * 1024
 #: Longest stderr line logged.
 STDERR_LINE = 1000
+#: Stderr lines logged in a burst, and per second after it (a token bucket).
+STDERR_BURST_LINES = 100
+STDERR_LINES_PER_SECOND = 10.0
 
 
 def _enlarge_pipe(fd: int) -> None:
@@ -148,6 +152,9 @@ class RunnerProcessProtocol(ProcessProtocol):
         self.started_at = reactor.seconds()
         self._stderr_left = STDERR_BUDGET
         self._stderr_partial = b""
+        self._stderr_tokens = float(STDERR_BURST_LINES)
+        self._stderr_refilled = self.started_at
+        self._stderr_dropped = 0
 
     @property
     def alive_pid(self) -> int | None:
@@ -175,7 +182,7 @@ class RunnerProcessProtocol(ProcessProtocol):
         self.on_output(data)
 
     def errReceived(self, data: bytes) -> None:
-        """Log stderr line by line, each line capped, at most STDERR_BUDGET bytes per runner."""
+        """Log stderr line by line: lines capped, rate-limited, at most STDERR_BUDGET bytes in all."""
         if self._stderr_left <= 0:
             return
         data = self._stderr_partial + data[: self._stderr_left]
@@ -184,7 +191,25 @@ class RunnerProcessProtocol(ProcessProtocol):
         if len(self._stderr_partial) > STDERR_LINE:
             lines.append(self._stderr_partial)
             self._stderr_partial = b""
+        now = self.reactor.seconds()
+        self._stderr_tokens = min(
+            float(STDERR_BURST_LINES),
+            self._stderr_tokens + (now - self._stderr_refilled) * STDERR_LINES_PER_SECOND,
+        )
+        self._stderr_refilled = now
         for line in lines:
+            if self._stderr_tokens < 1:
+                if not self._stderr_dropped:
+                    self.log.warn(
+                        "runner {pid} writes to stderr faster than {rate} lines/s; "
+                        "lines are dropped",
+                        pid=self.pid,
+                        rate=STDERR_LINES_PER_SECOND,
+                        **self.label,
+                    )
+                self._stderr_dropped += 1
+                continue
+            self._stderr_tokens -= 1
             self.log.info(
                 "runner {pid} stderr: {line}",
                 pid=self.pid,
@@ -193,9 +218,11 @@ class RunnerProcessProtocol(ProcessProtocol):
             )
         if self._stderr_left <= 0:
             self.log.warn(
-                "runner {pid} wrote more than {budget} bytes to stderr; the rest is dropped",
+                "runner {pid} wrote more than {budget} bytes to stderr; the rest is "
+                "dropped ({dropped} lines were dropped before by the rate limit)",
                 pid=self.pid,
                 budget=STDERR_BUDGET,
+                dropped=self._stderr_dropped,
                 **self.label,
             )
 

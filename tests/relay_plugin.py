@@ -7,6 +7,7 @@ own user; never use them outside tests and benchmarks.
   64 KiB) and exits. dd reopens /dev/zero as its stdin, so this "runner"
   closes its stdin first, as a real one may.
 * ``deaf``: ``sleep`` that never reads its stdin.
+* ``shout``: writes 10 MB of lines to stderr, then waits on stdin.
 """
 
 from zope.interface import implementer
@@ -43,8 +44,11 @@ def _flood(argument, config):
 
 @hookimpl
 def corral_isolation_strategies():
-    """Offer ``flood:BYTES`` and ``deaf``."""
+    """Offer ``flood:BYTES``, ``deaf`` and ``shout``."""
     return {
         "flood": _flood,
         "deaf": lambda argument, config: CommandIsolation("deaf", ("/bin/sleep", "3600")),
+        "shout": lambda argument, config: CommandIsolation(
+            "shout", ("/bin/sh", "-c", "yes shouting | head -c 10000000 >&2; cat >/dev/null")
+        ),
     }

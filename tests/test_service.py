@@ -1,0 +1,113 @@
+"""The daemon as an operator sees it: socket permissions, readiness, logs, start-up errors."""
+
+import json
+import os
+import socket
+import stat
+import subprocess
+
+import pytest
+
+from supervisor.client import Session
+from tests.support import CORRAL, REPO, RunningSupervisor, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.root
+def test_socket_and_directory_permissions(start_supervisor):
+    """The socket's directory is root:<group> 0750 and the socket root:<group> 0660."""
+    supervisor = start_supervisor("none", extra_args=["--socket-group", "12345"])
+    directory = os.stat(os.path.dirname(supervisor.socket))
+    sock = os.stat(supervisor.socket)
+    assert (directory.st_uid, directory.st_gid) == (0, 12345)
+    assert stat.S_IMODE(directory.st_mode) == 0o750
+    assert (sock.st_uid, sock.st_gid) == (0, 12345)
+    assert stat.S_IMODE(sock.st_mode) == 0o660
+    assert stat.S_ISSOCK(sock.st_mode)
+
+
+def test_ready_notification(tmp_path):
+    """With NOTIFY_SOCKET set (systemd Type=notify), READY=1 is sent once listening."""
+    notify_path = str(tmp_path / "notify")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(notify_path)
+    listener.settimeout(20)
+    supervisor = RunningSupervisor("none", env={"NOTIFY_SOCKET": notify_path})
+    try:
+        supervisor.start()
+        message = listener.recv(4096).decode()
+        assert "READY=1" in message.splitlines()
+        assert os.path.exists(supervisor.socket)
+        supervisor.stop()
+        assert "STOPPING=1" in listener.recv(4096).decode()
+    finally:
+        supervisor.cleanup()
+        listener.close()
+
+
+def test_logs_are_json_lines_with_fields(start_supervisor):
+    """Every log line is a JSON object with time, level, namespace and message; fields are kept."""
+    supervisor = start_supervisor("none")
+    with Session.connect(supervisor.socket, "alice", "c-1") as session:
+        session.initialize()
+    wait_until(lambda: "exited" in supervisor.log())
+    records = [json.loads(line) for line in supervisor.log().splitlines() if line.strip()]
+    for record in records:
+        assert {"time", "level", "namespace", "message"} <= set(record)
+    started = [r for r in records if r["message"].startswith("runner ") and "started" in r["message"]]
+    assert started and started[0]["owner"] == "alice" and started[0]["conversation"] == "c-1"
+
+
+def test_runner_stderr_is_capped_in_the_log(start_supervisor):
+    """A runner flooding stderr gets a burst of lines logged, then warnings, never the flood."""
+    supervisor = start_supervisor("shout", extra_args=["--plugins", "tests.relay_plugin"])
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(supervisor.socket)
+        sock.sendall(b'{"corral": 1, "owner": "loud", "conversation": "c-1"}\n')
+        wait_until(lambda: "the rest is dropped" in supervisor.log(), timeout=20)
+    log = supervisor.log()
+    shouted = [line for line in log.splitlines() if "stderr: shouting" in line]
+    assert 0 < len(shouted) <= 110
+    assert "lines are dropped" in log
+    assert len(log) < 256 * 1024
+
+
+@pytest.mark.root
+def test_auto_isolation_prefers_bwrap(start_supervisor):
+    """'auto' picks bwrap where a sandbox can be built (as on this host), and says so."""
+    supervisor = start_supervisor("auto")
+    with Session.connect(supervisor.socket, "alice", "c-1") as session:
+        assert session.reply["isolation"] == "bwrap"
+    assert "isolation auto chose bwrap" in supervisor.log()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--isolation", "docker"], "no isolation strategy named 'docker'"),
+        (["--uid-range", "10-20"], "uid_range"),
+        (["--audit", "nope"], "no audit sink named 'nope'"),
+    ],
+)
+def test_bad_configuration_stops_start_up(args, message):
+    """A bad value or unknown plugin stops start-up with exit status 2 and a message."""
+    base = RunningSupervisor("none")
+    result = subprocess.run(
+        [*base.args, *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not os.path.exists(base.socket)
+
+
+def test_check_prints_configuration_and_prerequisites():
+    """'corral check' lists every key with its source and each prerequisite."""
+    result = subprocess.run(
+        [*CORRAL, "check", "--isolation", "none", "--socket", "/tmp/corral-check-test/x.sock"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "isolation          none    (flag --isolation)" in result.stdout
+    for name in ("root", "setpriv", "bwrap", "cgroups", "socket directory"):
+        assert name in result.stdout
