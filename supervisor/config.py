@@ -100,6 +100,71 @@ def _parse_list(value: Any) -> tuple[str, ...]:
     return tuple(item for item in items if item)
 
 
+_SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _parse_size(value: Any) -> int | None:
+    """Bytes, or with a K, M, G or T suffix (powers of 1024); ``max`` for no limit."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 512M or 2G")
+    if isinstance(value, int):
+        number = value
+    else:
+        text = _parse_str(value).strip().upper().removesuffix("B").removesuffix("I")
+        if text == "MAX":
+            return None
+        suffix = text[-1:] if text[-1:] in _SIZE_SUFFIXES else ""
+        digits = text[: len(text) - len(suffix)]
+        try:
+            number = int(float(digits) * _SIZE_SUFFIXES[suffix])
+        except ValueError:
+            raise ValueError("expected a size such as 512M or 2G, or max") from None
+    if not 1 << 20 <= number <= 1 << 50:
+        raise ValueError("expected a size from 1M to 1024T, or max")
+    return number
+
+
+def _parse_count_or_max(low: int, high: int) -> Callable[[Any], int | None]:
+    whole = _parse_int(low, high)
+
+    def parse(value: Any) -> int | None:
+        if isinstance(value, str) and value.strip().lower() == "max":
+            return None
+        return whole(value)
+
+    return parse
+
+
+def _parse_optional_cpus(value: Any) -> float | None:
+    if isinstance(value, str) and value.strip().lower() in ("", "max"):
+        return None
+    if isinstance(value, bool):
+        raise ValueError("expected a number of CPUs such as 1.5")
+    number = float(value)
+    if not 0.01 <= number <= 4096:
+        raise ValueError("expected a number of CPUs from 0.01 to 4096")
+    return number
+
+
+def _parse_optional_weight(value: Any) -> int | None:
+    if isinstance(value, str) and value.strip() == "":
+        return None
+    return _parse_int(1, 10000)(value)
+
+
+def _parse_cgroup_root(value: Any) -> str | None:
+    text = _parse_str(value)
+    if text == "auto":
+        return None
+    if not text.startswith("/") or ".." in text.split("/"):
+        raise ValueError("expected an absolute path inside the cgroup hierarchy, or auto")
+    return os.path.normpath(text)
+
+
+#: Keys an ``[owners.NAME]`` table of the configuration file may override.
+OWNER_KEYS = ("memory_limit", "pids_limit", "cpu_weight", "cpu_limit")
+
+
 def _default_group() -> int:
     try:
         return grp.getgrnam("corral").gr_gid
@@ -165,6 +230,23 @@ KEYS: tuple[Key, ...] = (
         "Largest timeout a bash call may ask for, in seconds."),
     Key("stop_timeout", _parse_seconds, lambda c: 10.0,
         "Seconds to wait for runners to die at shutdown before giving up."),
+    Key("cgroups", _parse_choice("auto", "v2", "v1", "off"), lambda c: "auto",
+        "Per-conversation cgroups: auto (v2 with memory and pids controllers, "
+        "else v1), v2, v1, or off."),
+    Key("cgroup_root", _parse_cgroup_root, lambda c: None,
+        "Where conversations' cgroups go, inside the hierarchy: auto (v2: the "
+        "delegated subtree of the supervisor's own cgroup under systemd, else "
+        "/corral; v1: /corral) or a path such as /corral."),
+    Key("memory_limit", _parse_size, lambda c: 2 << 30,
+        "Memory per conversation (swap included where the kernel can limit "
+        "it): bytes or with a K, M, G suffix, or max."),
+    Key("pids_limit", _parse_count_or_max(8, 4_194_304), lambda c: 512,
+        "Processes and threads per conversation, or max."),
+    Key("cpu_weight", _parse_optional_weight, lambda c: None,
+        "CPU weight per conversation, 1-10000 (100 is the kernel's default); "
+        "unset leaves the kernel's default."),
+    Key("cpu_limit", _parse_optional_cpus, lambda c: None,
+        "CPUs per conversation, such as 1.5 (a CFS quota); unset for no quota."),
     Key("log_format", _parse_choice("auto", "json", "text"), lambda c: "auto",
         "Log format on stdout: json, text, or auto (json when stdout is not "
         "a terminal)."),
@@ -194,14 +276,28 @@ class Config:
     bash_timeout: float
     bash_max_timeout: float
     stop_timeout: float
+    cgroups: str
+    cgroup_root: str | None
+    memory_limit: int | None
+    pids_limit: int | None
+    cpu_weight: int | None
+    cpu_limit: float | None
     log_format: str
     log_level: str
+    #: Per-owner overrides from ``[owners.NAME]`` tables: {owner: {key: value}}.
+    owners: dict = attrs.field(factory=dict)
     #: Where each value came from: flag, env, file or default.
     sources: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     def as_dict(self) -> dict:
         """The values by key name, for ``corral check`` and logs."""
         return {key.name: getattr(self, key.name) for key in KEYS}
+
+    def limits_for(self, owner: str) -> dict:
+        """The resource limits of ``owner``'s conversations: the global ones, overridden."""
+        limits = {name: getattr(self, name) for name in OWNER_KEYS}
+        limits.update(self.owners.get(owner, {}))
+        return limits
 
 
 def load_config(
@@ -218,6 +314,7 @@ def load_config(
     environ = os.environ if environ is None else environ
     config_file = config_file or environ.get("CORRAL_CONFIG")
     file_values = _read_file(config_file) if config_file else {}
+    owners = _owner_overrides(file_values.pop("owners", {}), config_file)
     values: dict = {}
     sources: dict = {}
     for key in KEYS:
@@ -243,7 +340,40 @@ def load_config(
             f"bash_timeout ({values['bash_timeout']}) is larger than "
             f"bash_max_timeout ({values['bash_max_timeout']})"
         )
-    return Config(**values, sources=sources)
+    return Config(**values, owners=owners, sources=sources)
+
+
+def _owner_overrides(tables: Any, path: str | None) -> dict:
+    """Parse ``[owners.NAME]`` tables: each may set the keys in OWNER_KEYS."""
+    from supervisor.errors import CorralError
+    from supervisor.hello import check_name
+
+    if not isinstance(tables, dict):
+        raise ConfigError(f"config file {path}: owners must be a table of [owners.NAME] tables")
+    owners = {}
+    for owner, table in tables.items():
+        try:
+            check_name("owner", owner)
+        except CorralError as e:
+            raise ConfigError(f"config file {path}: [owners.{owner}]: {e.message}") from None
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {path}: owners.{owner} must be a table")
+        unknown = sorted(set(table) - set(OWNER_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"config file {path}: [owners.{owner}] has unknown keys: "
+                f"{', '.join(unknown)}; an owner may set {', '.join(OWNER_KEYS)}"
+            )
+        parsed = {}
+        for name, raw in table.items():
+            try:
+                parsed[name] = KEYS_BY_NAME[name].parse(raw)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(
+                    f"owners.{owner}.{name} = {raw!r} (from file {path}) is not valid: {e}"
+                ) from None
+        owners[owner] = parsed
+    return owners
 
 
 def _read_file(path: str) -> dict:
@@ -255,7 +385,7 @@ def _read_file(path: str) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     data = data.get("corral", data)
-    unknown = sorted(set(data) - set(KEYS_BY_NAME))
+    unknown = sorted(set(data) - set(KEYS_BY_NAME) - {"owners"})
     if unknown:
         raise ConfigError(
             f"config file {path} has unknown keys: {', '.join(unknown)}; "

@@ -10,6 +10,7 @@ loop cannot outrun it), then sends ``SIGKILL`` to every process in it.
 
 import os
 import signal
+import time
 
 
 def children(pid: int) -> list[int]:
@@ -73,7 +74,13 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def kill_tree(pid: int, max_rounds: int = 50) -> int:
-    """Stop, then SIGKILL ``pid`` and all its descendants; return how many were signalled."""
+    """Stop, then SIGKILL ``pid`` and all its descendants; return how many were signalled.
+
+    A process is only known to have stopped forking once the kernel shows
+    it stopped: a fork in flight when SIGSTOP arrives still completes. So
+    each round waits (briefly) until every signalled process is stopped or
+    gone before looking for new children.
+    """
     stopped: set[int] = set()
     for _ in range(max_rounds):
         tree = [pid, *descendants(pid)]
@@ -83,16 +90,30 @@ def kill_tree(pid: int, max_rounds: int = 50) -> int:
         for p in fresh:
             _signal(p, signal.SIGSTOP)
             stopped.add(p)
+        _wait_stopped(fresh)
     for p in stopped:
         _signal(p, signal.SIGKILL)
     return len(stopped)
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` still exists as something other than a zombie."""
+def _state(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
-        return False
-    return data[data.rfind(b")") + 2 : data.rfind(b")") + 3] != b"Z"
+        return b""
+    return data[data.rfind(b")") + 2 : data.rfind(b")") + 3]
+
+
+def _wait_stopped(pids: list[int], timeout: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = list(pids)
+    while waiting and time.monotonic() < deadline:
+        waiting = [p for p in waiting if _state(p) not in (b"", b"T", b"t", b"Z", b"X")]
+        if waiting:
+            time.sleep(0.0005)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still exists as something other than a zombie."""
+    return _state(pid) not in (b"", b"Z", b"X")

@@ -65,6 +65,7 @@ class ConversationProtocol(Protocol):
         self.identity = None
         self.workspace: str | None = None
         self.runner: RunnerProcessProtocol | None = None
+        self.cgroup = None
         self._buffer = bytearray()
         self._hello_timer = None
         self.bytes_in = 0
@@ -72,6 +73,7 @@ class ConversationProtocol(Protocol):
         self.closed: Deferred = Deferred()
         self._client_eof = False
         self._hangup_watch = None
+        self.oom_kills = 0
 
     # -- hello ---------------------------------------------------------
 
@@ -279,13 +281,30 @@ class ConversationProtocol(Protocol):
             env=runner_env(self.workspace),
         )
         spec = supervisor.isolation.spawn_spec(launch)
+        executable, args = spec.executable, spec.args
+        if supervisor.cgroups is not None:
+            name = f"{self.connection_id}.{self.hello.owner}.{self.hello.conversation}"
+            try:
+                self.cgroup = supervisor.cgroups.create(
+                    name, config.limits_for(self.hello.owner)
+                )
+            except OSError as e:
+                self.log.error(
+                    "cannot create the cgroup {name}: {error}", name=name, error=e.strerror
+                )
+                raise CorralError(
+                    UNAVAILABLE,
+                    f"the conversation's cgroup could not be created ({e.strerror}); "
+                    "see the supervisor's log",
+                ) from None
+            executable, args = self.cgroup.wrap(executable, args)
         self.runner = RunnerProcessProtocol(
             self.reactor, self._runner_output, {"connection": self.connection_id}
         )
         self.reactor.spawnProcess(
             self.runner,
-            spec.executable,
-            list(spec.args),
+            executable,
+            list(args),
             env=spec.env,
             childFDs={0: "w", 1: "r", 2: "r"},
         )
@@ -326,6 +345,9 @@ class ConversationProtocol(Protocol):
                 )
         if self.runner is not None:
             self.runner.kill()
+        elif self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
         self.refuse(error)
 
     # -- relay and close -----------------------------------------------
@@ -384,9 +406,42 @@ class ConversationProtocol(Protocol):
             done = succeed(None)
         else:
             runner.kill()
+            if self.cgroup is not None:
+                self.cgroup.kill()
             done = runner.ended
+            if self.cgroup is not None:
+                done.addCallback(self._empty_cgroup)
             done.addCallback(self._release)
         done.addBoth(self._closed)
+
+    def _empty_cgroup(self, _):
+        """Wait until no process is left in the cgroup, record OOM kills, remove it."""
+        cgroup = self.cgroup
+        self.oom_kills = cgroup.oom_kills()
+        if self.oom_kills:
+            self.supervisor.auditor.emit(
+                "oom_kill", count=self.oom_kills, **self._audit_ids()
+            )
+
+        def emptied(empty: bool):
+            if not empty:
+                self.log.error(
+                    "processes of cgroup {name} did not die within {timeout} s; "
+                    "the next start removes it",
+                    name=cgroup.name,
+                    timeout=self.supervisor.config.stop_timeout,
+                )
+                return
+            try:
+                cgroup.remove()
+            except OSError as e:
+                self.log.error(
+                    "cannot remove cgroup {name}: {error}", name=cgroup.name, error=e.strerror
+                )
+
+        return cgroup.wait_empty(self.reactor, self.supervisor.config.stop_timeout).addCallback(
+            emptied
+        )
 
     def _release(self, _):
         return self.supervisor.storage.release_workspace(
@@ -399,8 +454,10 @@ class ConversationProtocol(Protocol):
                 "closing connection {connection} failed", result, connection=self.connection_id
             )
         self.supervisor.connections.discard(self)
+        extra = {"oom_kills": self.oom_kills} if self.cgroup is not None else {}
         self.supervisor.auditor.emit(
             "connection_closed",
+            **extra,
             bytes_in=self.bytes_in,
             bytes_out=self.bytes_out,
             duration_ms=round((self.reactor.seconds() - self.started_at) * 1000, 3),

@@ -7,9 +7,12 @@ runner's process tree and fires only once they are all gone (or
 """
 
 import errno
+import fcntl
 import os
+import signal
 import socket
 import stat
+import time
 
 from attrs import define, field
 from twisted.application.internet import StreamServerEndpointService
@@ -21,10 +24,13 @@ from twisted.logger import Logger
 
 from supervisor import sdnotify
 from supervisor.audit import Auditor
+from supervisor.cgroups import CgroupError, find_hierarchy
 from supervisor.errors import ConfigError
 from supervisor.identities import IdentityStore
 from supervisor.protocol import ConversationFactory
 from supervisor.spawn import install_runner_code, unreadable_ancestor
+
+log = Logger()
 
 
 @define
@@ -39,6 +45,7 @@ class Supervisor:
     auditor: Auditor
     runner_script: str
     privileged: bool
+    cgroups: object = None
     connections: set = field(factory=set)
 
 
@@ -48,6 +55,16 @@ def build_supervisor(reactor, config, registry) -> Supervisor:
     isolation = registry.build("isolation", config.isolation, config)
     storage = registry.build("storage", config.storage, config)
     sinks = [registry.build("audit", spec, config) for spec in config.audit]
+    hierarchy, reasons = find_hierarchy(config.cgroups, config.cgroup_root)
+    if hierarchy is None and config.cgroups in ("v1", "v2"):
+        raise ConfigError(f"cgroups = {config.cgroups!r}: " + "; ".join(reasons))
+    for reason in reasons:
+        log.warn("cgroups: {reason}", reason=reason)
+    if hierarchy is None and config.cgroups == "auto":
+        log.warn(
+            "no cgroup can be used: conversations have no memory or process limits; "
+            "runners are still killed through their pid namespace"
+        )
     return Supervisor(
         reactor=reactor,
         config=config,
@@ -57,6 +74,7 @@ def build_supervisor(reactor, config, registry) -> Supervisor:
         auditor=Auditor(sinks),
         runner_script="",
         privileged=privileged,
+        cgroups=hierarchy,
     )
 
 
@@ -130,6 +148,51 @@ def prepare_socket(config) -> None:
         probe.close()
 
 
+def recover_leftovers(supervisor: Supervisor, config) -> None:
+    """Kill what a crashed supervisor left: runners, and conversations' cgroups.
+
+    Runners die with their supervisor (parent-death signal, pid namespace),
+    so there is normally nothing; this is the belt to those braces. Blocking,
+    at start-up only.
+    """
+    runner_dir = os.path.join(config.state_dir, "runner") + os.sep
+    killed = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                arguments = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.startswith(runner_dir.encode()) for a in arguments):
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    if killed:
+        log.warn("killed {count} runners a previous supervisor left behind", count=killed)
+    hierarchy = supervisor.cgroups
+    if hierarchy is None:
+        return
+    for cgroup in hierarchy.leftovers():
+        deadline = time.monotonic() + config.stop_timeout
+        while cgroup.populated() and time.monotonic() < deadline:
+            cgroup.kill()
+            time.sleep(0.01)
+        try:
+            cgroup.remove()
+        except OSError as e:
+            log.error(
+                "could not remove the leftover cgroup {name}: {error}",
+                name=cgroup.name,
+                error=e.strerror,
+            )
+            continue
+        log.warn("removed the leftover cgroup {name} of a previous supervisor", name=cgroup.name)
+
+
 class CorralService(MultiService):
     """The supervisor daemon: listens, serves conversations, and stops cleanly."""
 
@@ -151,12 +214,38 @@ class CorralService(MultiService):
     def prepare(self) -> None:
         """Blocking start-up work done before the reactor runs."""
         prepare_socket(self.config)
+        self._lock_state_dir()
         self.supervisor.runner_script = install_runner_code(
             self.config.state_dir, self.config.runner_python
         )
         removed = self.supervisor.identities.remove_leftovers()
         if removed:
             self.log.info("removed {count} half-created owner directories", count=len(removed))
+        hierarchy = self.supervisor.cgroups
+        if hierarchy is not None:
+            try:
+                hierarchy.prepare()
+            except (OSError, CgroupError) as e:
+                raise ConfigError(f"cgroups: cannot prepare {hierarchy.describe()}: {e}") from None
+            self.log.info("conversations' cgroups: {where}", where=hierarchy.describe())
+        recover_leftovers(self.supervisor, self.config)
+
+    def _lock_state_dir(self) -> None:
+        """Hold ``<state_dir>/supervisor.lock`` for as long as this process lives.
+
+        Start-up kills runners and cgroups a crashed supervisor left behind;
+        with two supervisors on one state directory it would kill the other's.
+        """
+        path = os.path.join(self.config.state_dir, "supervisor.lock")
+        self._state_lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._state_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._state_lock)
+            raise ConfigError(
+                f"another supervisor is already using state_dir {self.config.state_dir}; "
+                "stop it, or give this one its own state_dir"
+            ) from None
 
     def startService(self):
         """Listen, set the socket's owner and mode, and tell systemd we are ready."""

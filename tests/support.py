@@ -32,12 +32,16 @@ class RunningSupervisor:
         self.audit_path = os.path.join(self.state_dir, "audit.jsonl")
         self.log_path = os.path.join(self.base, "supervisor.log")
         self.isolation = isolation
+        # Each supervisor gets its own cgroup root, so one test's start-up
+        # recovery never kills another's conversations.
+        self.cgroup_root = "/corral-test-" + os.path.basename(self.base)
         self.args = [
             *CORRAL, "serve",
             "--socket", self.socket,
             "--state-dir", self.state_dir,
             "--isolation", isolation,
             "--log-format", "json",
+            "--cgroup-root", self.cgroup_root,
             *extra_args,
         ]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
@@ -96,7 +100,43 @@ class RunningSupervisor:
         finally:
             if getattr(self, "_log", None):
                 self._log.close()
+            remove_cgroup_root(self.cgroup_root)
             shutil.rmtree(self.base, ignore_errors=True)
+
+
+def cgroup_mounts() -> list[str]:
+    """Mount points of every cgroup hierarchy."""
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            before, _, after = line.partition(" - ")
+            if after.split()[0] in ("cgroup", "cgroup2"):
+                points.append(before.split()[4])
+    return points
+
+
+def cgroup_directories(root: str) -> list[str]:
+    """The directories a cgroup root has in every hierarchy (what a supervisor made there)."""
+    return [
+        os.path.join(point, root.lstrip("/"))
+        for point in cgroup_mounts()
+        if os.path.isdir(os.path.join(point, root.lstrip("/")))
+    ]
+
+
+def remove_cgroup_root(root: str) -> None:
+    """Remove a test supervisor's cgroup root in every hierarchy (children first)."""
+    for directory in cgroup_directories(root):
+        for child in sorted(os.scandir(directory), key=lambda e: e.name):
+            if child.is_dir(follow_symlinks=False):
+                try:
+                    os.rmdir(child.path)
+                except OSError:
+                    pass
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):

@@ -94,3 +94,45 @@ def test_every_key_is_documented():
         assert f"`{key.name}`" in doc, key.name
         assert f"`{key.env}`" in doc, key.env
         assert f"`{key.flag}`" in doc, key.flag
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("256M", 256 << 20), ("2G", 2 << 30), ("2GiB", 2 << 30), ("1.5G", 3 << 29),
+     ("1048576", 1 << 20), ("max", None), ("4096k", 4 << 20)],
+)
+def test_sizes(text, value):
+    """memory_limit takes bytes, K/M/G/T suffixes (powers of 1024) or max."""
+    assert load_config(environ={"CORRAL_MEMORY_LIMIT": text}).memory_limit == value
+
+
+@pytest.mark.parametrize("text", ["lots", "-1G", "12", "2X"])
+def test_bad_sizes(text):
+    """A size that is not one, or under 1 MiB, names the key and the value."""
+    with pytest.raises(ConfigError, match="memory_limit"):
+        load_config(environ={"CORRAL_MEMORY_LIMIT": text})
+
+
+def test_owner_overrides(tmp_path):
+    """[owners.NAME] tables override the global limits for that owner only."""
+    path = tmp_path / "corral.toml"
+    path.write_text('memory_limit = "1G"\npids_limit = 100\n'
+                    '[owners.bot]\nmemory_limit = "4G"\ncpu_limit = 2\n')
+    config = load_config(environ={}, config_file=str(path))
+    assert config.limits_for("bot") == {
+        "memory_limit": 4 << 30, "pids_limit": 100, "cpu_weight": None, "cpu_limit": 2.0}
+    assert config.limits_for("other")["memory_limit"] == 1 << 30
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [('[owners."../x"]\npids_limit = 5\n', "not a valid name"),
+     ("[owners.bot]\nisolation = \"none\"\n", "unknown keys: isolation"),
+     ('[owners.bot]\nmemory_limit = "huge"\n', "owners.bot.memory_limit")],
+)
+def test_bad_owner_overrides(tmp_path, table, message):
+    """A bad owner name, a key an owner may not set, or a bad value stops start-up."""
+    path = tmp_path / "corral.toml"
+    path.write_text(table)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(environ={}, config_file=str(path))
