@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = ["bench_start", "bench_bash", "bench_relay", "bench_memory"]
+BENCHMARKS = ["bench_start", "bench_bash", "bench_relay", "bench_memory", "bench_cgroups"]
 
 
 def main() -> int:
@@ -23,7 +23,7 @@ def main() -> int:
         if subprocess.run([sys.executable, "-m", f"bench.{name}", *sys.argv[1:]], cwd=REPO).returncode:
             failed.append(name)
     print("== summary")
-    for name in ("start", "bash", "relay", "memory"):
+    for name in ("start", "bash", "relay", "memory", "cgroups"):
         path = os.path.join(REPO, "bench", "results", f"{name}.json")
         if os.path.exists(path):
             with open(path) as f:

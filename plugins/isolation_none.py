@@ -23,7 +23,7 @@ class NoIsolation:
 
     def spawn_spec(self, launch):
         """Run the runner directly; it chdirs to the workspace and starts its own session."""
-        command = launch.runner_command()
+        command = [*launch.runner_command(), "--setsid"]
         return SpawnSpec(command[0], tuple(command), dict(launch.env))
 
 

@@ -1,7 +1,8 @@
 """Isolation ``setpriv``: the owner's uid in new pid, network, mount, IPC and UTS namespaces.
 
-The command line is ``unshare ... -- setpriv ... -- python runner``:
-``unshare`` (still root) creates the namespaces and mounts a ``/proc`` that
+The command line is ``setpriv --pdeathsig=KILL -- unshare ... -- setpriv
+... -- python runner``: the first ``setpriv`` ties ``unshare`` to the
+supervisor's life; ``unshare`` (still root) creates the namespaces and mounts a ``/proc`` that
 shows only the conversation's processes; ``setpriv`` then drops to the
 owner's uid and gid with no supplementary groups, an empty capability
 bounding set and ``no_new_privs``, and sets the parent-death signal after
@@ -57,6 +58,11 @@ class SetprivIsolation:
     def spawn_spec(self, launch):
         """``unshare`` namespaces, ``setpriv`` drop, then the runner."""
         args = [
+            # unshare itself (root, the namespaces' parent) must die with the
+            # supervisor: --kill-child then takes the namespace's init with it.
+            self.setpriv,
+            "--pdeathsig=KILL",
+            "--",
             self.unshare,
             "--pid",
             "--net",
@@ -71,7 +77,7 @@ class SetprivIsolation:
             *launch.runner_command(),
             "--setsid",
         ]
-        return SpawnSpec(self.unshare, tuple(args), dict(launch.env))
+        return SpawnSpec(self.setpriv, tuple(args), dict(launch.env))
 
 
 def _build(argument, config):

@@ -98,10 +98,12 @@ def run_bash(command, timeout, call):
     output = _Output(options.max_output_lines, options.max_output_bytes,
                      os.path.join(options.workspace, ".corral", "output"), call.progress)
     call.set_cancel_hook(lambda: job.kill("cancel"))
+    _watchdog.watch(job, started + timeout)
     try:
         pipe_open = _collect(job, read_fd, output, started + timeout)
     finally:
         call.set_cancel_hook(None)
+        _watchdog.forget(job)
     if pipe_open:
         # Background processes still hold the pipe. Keep emptying it so that
         # they neither block nor die of SIGPIPE when they write.
@@ -114,6 +116,55 @@ def run_bash(command, timeout, call):
     _reap_orphans()
     output.finish()
     return _result(job, output, timeout, call.cancel_reason, started)
+
+
+class _Watchdog:
+    """One thread that kills jobs at their deadlines.
+
+    The reading loop checks the deadline too, but it can be stuck for as
+    long as a progress notification waits for a client that does not read;
+    the timeout must hold regardless.
+    """
+
+    def __init__(self):
+        self._condition = threading.Condition()
+        self._deadlines = {}
+        self._thread = None
+
+    def watch(self, job, deadline):
+        """Kill ``job`` with cause "timeout" at ``deadline`` (time.monotonic) unless forgotten."""
+        with self._condition:
+            self._deadlines[job] = deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True)
+                self._thread.start()
+            self._condition.notify()
+
+    def forget(self, job):
+        """``job`` is done: no kill."""
+        with self._condition:
+            self._deadlines.pop(job, None)
+
+    def _run(self):
+        with self._condition:
+            while True:
+                now = time.monotonic()
+                due = [job for job, deadline in self._deadlines.items() if deadline <= now]
+                for job in due:
+                    del self._deadlines[job]
+                if due:
+                    self._condition.release()
+                    try:
+                        for job in due:
+                            job.kill("timeout")
+                    finally:
+                        self._condition.acquire()
+                    continue
+                nearest = min(self._deadlines.values(), default=None)
+                self._condition.wait(None if nearest is None else nearest - now)
+
+
+_watchdog = _Watchdog()
 
 
 def _spawn(command, write_fd, options):

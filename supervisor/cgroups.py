@@ -28,7 +28,6 @@ the reactor thread. Waiting for a cgroup to become empty is asynchronous.
 import errno
 import os
 import signal
-import time
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall
@@ -42,8 +41,9 @@ _JOIN_SCRIPT = (
     # The shell exports a PWD of its own; the runner's environment is ours alone.
     'unset PWD OLDPWD; exec "$@"'
 )
-#: How long freeze-kill-thaw waits for a freezer to report FROZEN.
-FREEZE_WAIT_SECONDS = 0.2
+#: While waiting for a killed cgroup to empty, how often to kill again
+#: (a process that was mid-fork when the freezer was set may appear late).
+REKILL_SECONDS = 0.1
 
 
 class CgroupError(Exception):
@@ -146,18 +146,26 @@ class ConversationCgroup:
                 pass
 
     def wait_empty(self, reactor, timeout: float, interval: float = 0.01) -> Deferred:
-        """A Deferred firing True once the cgroup is empty, False after ``timeout`` seconds."""
+        """A Deferred firing True once the cgroup is empty, False after ``timeout`` seconds.
+
+        Killed processes take a moment to exit; one that was mid-fork when
+        the cgroup was frozen may appear after the kill, so every
+        REKILL_SECONDS whatever is left is killed again.
+        """
         done = Deferred()
-        deadline = reactor.seconds() + timeout
+        started = reactor.seconds()
+        last_kill = [started]
 
         def check():
+            now = reactor.seconds()
             if not self.populated():
                 loop.stop()
                 done.callback(True)
-            elif reactor.seconds() >= deadline:
+            elif now - started >= timeout:
                 loop.stop()
                 done.callback(False)
-            else:
+            elif now - last_kill[0] >= REKILL_SECONDS:
+                last_kill[0] = now
                 self.kill()
 
         loop = LoopingCall(check)
@@ -261,11 +269,6 @@ class CgroupV2:
         freeze = os.path.join(directory, "cgroup.freeze")
         try:
             _write(freeze, "1")
-            deadline = time.monotonic() + FREEZE_WAIT_SECONDS
-            while "frozen 1" not in _read(os.path.join(directory, "cgroup.events")):
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.001)
             return _kill_all(procs)
         finally:
             try:
@@ -368,9 +371,6 @@ class CgroupV1:
             return 0
         try:
             _write(freezer, "FROZEN")
-            deadline = time.monotonic() + FREEZE_WAIT_SECONDS
-            while _read(freezer).strip() != "FROZEN" and time.monotonic() < deadline:
-                time.sleep(0.001)
             return _kill_all(procs)
         finally:
             try:

@@ -405,9 +405,11 @@ class ConversationProtocol(Protocol):
         if runner is None:
             done = succeed(None)
         else:
-            runner.kill()
+            runner.discard_output()
             if self.cgroup is not None:
                 self.cgroup.kill()
+            else:
+                runner.kill()
             done = runner.ended
             if self.cgroup is not None:
                 done.addCallback(self._empty_cgroup)

@@ -108,8 +108,7 @@ class RunnerOutputProducer:
             reader.startReading()
 
     def stopProducing(self):
-        """The client is gone: kill the runner."""
-        self.process_protocol.kill()
+        """The client is gone: its connectionLost kills the runner and drains its output."""
 
 
 @implementer(IPushProducer)
@@ -171,6 +170,17 @@ class RunnerProcessProtocol(ProcessProtocol):
             _enlarge_pipe(reader.fileno())
         if 0 in pipes:
             _enlarge_pipe(pipes[0].fileno())
+
+    def discard_output(self) -> None:
+        """The client is gone: drop the runner's output and read its pipe to the end.
+
+        Reading may have been paused by backpressure; Twisted reports the
+        process ended only once every pipe has reached its end.
+        """
+        self.on_output = lambda data: None
+        transport = self.transport
+        if transport is not None and 1 in transport.pipes:
+            transport.pipes[1].startReading()
 
     def write(self, data: bytes) -> None:
         """Send bytes to the runner's stdin (ignored once it has gone)."""

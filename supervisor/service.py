@@ -22,7 +22,7 @@ from twisted.internet.defer import DeferredList, succeed
 from twisted.internet.endpoints import UNIXServerEndpoint
 from twisted.logger import Logger
 
-from supervisor import sdnotify
+from supervisor import paths, sdnotify
 from supervisor.audit import Auditor
 from supervisor.cgroups import CgroupError, find_hierarchy
 from supervisor.errors import ConfigError
@@ -108,6 +108,21 @@ def prepare_directories(config) -> None:
                 )
 
 
+def check_own_directory(directory: str) -> None:
+    """Refuse a socket directory that is a symlink or belongs to someone else.
+
+    Without root the default is /tmp/corral-<uid>/, which another local user
+    could create first to swap the socket under us.
+    """
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"the socket directory {directory} is not a directory owned by uid "
+            f"{os.geteuid()} (it is owned by uid {st.st_uid}); someone else may have "
+            "created it: remove it, or choose another socket"
+        )
+
+
 def prepare_socket(config) -> None:
     """Make the socket's directory, and remove a stale socket a crashed supervisor left.
 
@@ -116,12 +131,14 @@ def prepare_socket(config) -> None:
     """
     path = config.socket
     directory = os.path.dirname(path)
-    if not os.path.isdir(directory):
+    created = not os.path.lexists(directory)
+    if created:
         make_directories(directory, 0o750)
-    if not os.stat(directory).st_mode & stat.S_ISVTX:
+    if created or directory == paths.runtime_dir():
         # Permissions belong on the socket's directory: only root and the
-        # socket group may reach the socket. A shared sticky directory such
-        # as /tmp is left alone.
+        # socket group may reach the socket. A directory corral did not make
+        # for itself (/run, a home) is left as the operator has it.
+        check_own_directory(directory)
         if os.geteuid() == 0:
             os.chown(directory, 0, config.socket_group)
         os.chmod(directory, 0o750)
@@ -278,23 +295,28 @@ class CorralService(MultiService):
     def _stop_connections(self):
         connections = list(self.supervisor.connections)
         self.log.info("stopping {count} connections", count=len(connections))
-        waits = []
         for connection in connections:
-            waits.append(connection.closed)
             connection.transport.abortConnection()
-        done = DeferredList(waits, consumeErrors=True)
-        done.addTimeout(self.config.stop_timeout, self.reactor)
-        done.addErrback(self._stop_timed_out)
-        return done.addCallback(self._stopped)
+        all_closed = DeferredList([c.closed for c in connections], consumeErrors=True)
+        finished = defer.Deferred()
+        timer = self.reactor.callLater(self.config.stop_timeout, self._stop_timed_out, finished)
 
-    def _stop_timed_out(self, failure):
-        failure.trap(defer.TimeoutError, defer.CancelledError)
+        def closed(_):
+            if timer.active():
+                timer.cancel()
+                finished.callback(None)
+
+        all_closed.addCallback(closed)
+        return finished.addCallback(self._stopped)
+
+    def _stop_timed_out(self, finished):
         left = sorted(c.connection_id for c in self.supervisor.connections)
         self.log.error(
             "runners of connections {left} did not die within {timeout} s; exiting anyway",
             left=left,
             timeout=self.config.stop_timeout,
         )
+        finished.callback(None)
 
     def _stopped(self, _):
         try:

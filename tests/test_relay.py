@@ -108,3 +108,15 @@ def test_many_clients_in_parallel_get_all_bytes(start_supervisor):
     for t in threads:
         t.join(120)
     assert counts == [size] * 4
+
+
+def test_client_leaving_while_output_is_paused_is_closed_completely(start_supervisor):
+    """A client that hangs up while the relay has paused the runner's output is fully closed."""
+    supervisor = start_supervisor(f"flood:{256 * MIB}", extra_args=["--plugins", "tests.relay_plugin"])
+    sock = connect(supervisor.socket)
+    time.sleep(0.5)
+    sock.close()
+    wait_until(
+        lambda: {"runner_exited", "connection_closed"}
+        <= {e["event"] for e in supervisor.audit_events()}
+    )

@@ -93,12 +93,15 @@ def test_auto_isolation_prefers_bwrap(start_supervisor):
 def test_bad_configuration_stops_start_up(args, message):
     """A bad value or unknown plugin stops start-up with exit status 2 and a message."""
     base = RunningSupervisor("none")
-    result = subprocess.run(
-        [*base.args, *args], cwd=REPO, capture_output=True, text=True, timeout=60,
-    )
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert not os.path.exists(base.socket)
+    try:
+        result = subprocess.run(
+            [*base.args, *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 2
+        assert message in result.stderr
+        assert not os.path.exists(base.socket)
+    finally:
+        base.cleanup()
 
 
 def test_check_prints_configuration_and_prerequisites():
@@ -111,3 +114,32 @@ def test_check_prints_configuration_and_prerequisites():
     assert "isolation          none    (flag --isolation)" in result.stdout
     for name in ("root", "setpriv", "bwrap", "cgroups", "socket directory"):
         assert name in result.stdout
+
+
+def test_existing_socket_directory_is_left_as_it_is(start_supervisor, tmp_path):
+    """A socket in a directory corral did not create (such as /run) leaves that directory alone."""
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    os.chmod(directory, 0o755)
+    supervisor = start_supervisor("none", extra_args=["--socket", str(directory / "c.sock")])
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(directory / "c.sock").st_mode) == 0o660
+    assert supervisor.process.poll() is None
+
+
+@pytest.mark.root
+def test_socket_directory_owned_by_someone_else_is_refused(tmp_path):
+    """A pre-made socket directory owned by another uid, or a symlink, is refused."""
+    from supervisor.errors import ConfigError
+    from supervisor.service import check_own_directory
+
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    os.chown(planted, 12345, 12345)
+    with pytest.raises(ConfigError, match="someone else"):
+        check_own_directory(str(planted))
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(ConfigError, match="not a directory owned"):
+        check_own_directory(str(link))
+    check_own_directory(str(tmp_path))

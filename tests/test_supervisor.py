@@ -194,19 +194,19 @@ def test_no_network(supervisor):
         listener.close()
 
 
-def test_environment_and_descriptors(supervisor):
+def test_environment_and_descriptors(start_supervisor, isolation):
     """The runner holds only PATH, HOME, TMPDIR, locale and Python variables, and fds 0-2 as pipes."""
     marker = f"SECRET_{uuid.uuid4().hex}"
-    os.environ[marker] = "1"
-    try:
-        with open_session(supervisor) as session:
-            output, _ = bash(
-                session,
-                "tr '\\0' '\\n' < /proc/$PPID/environ; echo ---; "
-                "for fd in /proc/$PPID/fd/*; do echo \"$(basename $fd) $(readlink $fd)\"; done",
-            )
-    finally:
-        del os.environ[marker]
+    supervisor = start_supervisor(isolation, env={marker: "1", "AWS_SECRET_ACCESS_KEY": marker})
+    assert supervisor.process.poll() is None
+    with open(f"/proc/{supervisor.process.pid}/environ", "rb") as f:
+        assert marker.encode() in f.read()
+    with open_session(supervisor) as session:
+        output, _ = bash(
+            session,
+            "tr '\\0' '\\n' < /proc/$PPID/environ; echo ---; "
+            "for fd in /proc/$PPID/fd/*; do echo \"$(basename $fd) $(readlink $fd)\"; done",
+        )
     environ, _, fds = output.partition("---")
     names = {line.split("=", 1)[0] for line in environ.split() if "=" in line}
     allowed = {"PATH", "HOME", "TMPDIR", "LANG", "LANGUAGE"}
@@ -286,15 +286,34 @@ def test_live_socket_stops_a_second_supervisor(start_supervisor):
 
 @pytest.mark.root
 def test_sigterm_kills_runners_and_exits_zero(start_supervisor, isolation):
-    """SIGTERM stops accepting, kills every runner's tree, waits, and exits 0."""
+    """SIGTERM kills every runner's tree and waits for it before exiting 0."""
     supervisor = start_supervisor(isolation)
     session = open_session(supervisor, "gina", "c-1")
     uid = session.reply["uid"]
-    bash(session, "setsid sleep 1000 & echo ok")
-    wait_until(lambda: len(processes_of_uid(uid)) >= 2)
+    session.start_call("bash", {"command": "setsid sleep 1000 & sleep 999"})
+    wait_until(lambda: len(processes_of_uid(uid)) >= 3)
     assert supervisor.stop() == 0
+    # The close is audited only once the runner and its cgroup are gone:
+    # finding it proves the supervisor waited for them before it exited.
+    closed = [e for e in supervisor.audit_events()
+              if e["event"] == "connection_closed" and e.get("owner") == "gina"]
+    assert closed
     assert processes_of_uid(uid) == []
     assert not os.path.exists(supervisor.socket)
+    session.close()
+
+
+@pytest.mark.root
+def test_sigkilled_supervisor_takes_its_runners_along(start_supervisor, isolation):
+    """If the supervisor is SIGKILLed mid-call, its runners and their commands die with it."""
+    supervisor = start_supervisor(isolation, extra_args=["--cgroups", "off"])
+    session = open_session(supervisor, "hank", "c-1")
+    uid = session.reply["uid"]
+    session.start_call("bash", {"command": "setsid sleep 1000 & sleep 999"})
+    wait_until(lambda: len(processes_of_uid(uid)) >= 3)
+    supervisor.process.kill()
+    supervisor.process.wait()
+    wait_until(lambda: processes_of_uid(uid) == [], timeout=5)
     session.close()
 
 

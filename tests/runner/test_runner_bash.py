@@ -312,3 +312,51 @@ def test_command_environment_is_inherited(runner):
     home, marker = text["content"][0]["text"].split("\n")[:2]
     assert home == os.environ.get("HOME", "")
     assert marker
+
+
+def test_timeout_holds_while_the_client_does_not_read(tmp_path):
+    """A timeout kills the command on time even while progress output cannot be delivered."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    process = subprocess.Popen(
+        [sys.executable, "-I", "-S", os.path.join(repo, "runner", "__main__.py"),
+         "--workspace", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )
+    try:
+        request = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                   "params": {"name": "bash", "arguments": {"command": "yes", "timeout": 1},
+                              "_meta": {"progressToken": "t"}}}
+        process.stdin.write(json.dumps(request).encode() + b"\n")
+        process.stdin.flush()
+        time.sleep(0.5)
+        assert yes_processes(), "the command did not start"
+        time.sleep(2.5)
+        assert yes_processes() == [], "the timeout did not kill the command while output was blocked"
+        while True:
+            message = json.loads(process.stdout.readline())
+            if message.get("id") == 1:
+                break
+        assert message["result"]["structuredContent"]["timedOut"] is True
+    finally:
+        process.kill()
+        process.wait()
+
+
+def yes_processes():
+    """Live processes running ``yes`` (the blocked-output test's command)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                data = f.read()
+        except OSError:
+            continue
+        name, state = data[data.index("(") + 1:data.rindex(")")], data[data.rindex(")") + 2]
+        if name == "yes" and state not in "ZX":
+            found.append(int(entry))
+    return found
