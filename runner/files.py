@@ -1,10 +1,17 @@
 """The file tools: read, write and edit, faithful to the bytes on disk.
 
 Every failure a user can cause (a missing file, a directory, a binary file,
-an edit that does not match) comes back as an ``isError`` result whose text
-says what was wrong and what to do, never as an exception.
+an edit that does not match, a full disk) comes back as an ``isError``
+result whose text says what was wrong and what to do, never as an exception.
+
+The tools only work on regular files and never block on anything else: a
+FIFO, a device or a socket is refused without being read or written (see
+:func:`_open_regular`).  Memory stays bounded whatever the file: read scans
+in chunks and keeps only the lines it shows, and read and edit refuse files
+above a size cap (the runner's ``--max-read-bytes`` and ``--max-edit-bytes``).
 """
 
+import errno
 import os
 import stat
 
@@ -17,6 +24,17 @@ READ_MAX_BYTES = 50 * 1024
 IMAGE_MAX_BYTES = 5 * 1024 * 1024
 #: How much of a file's start is looked at to tell text from binary.
 SNIFF_BYTES = 8192
+#: read refuses a text file larger than this (the runner's ``--max-read-bytes``).
+DEFAULT_MAX_READ_BYTES = 64 * 1024 * 1024
+#: edit refuses a file larger than this (the runner's ``--max-edit-bytes``).
+DEFAULT_MAX_EDIT_BYTES = 16 * 1024 * 1024
+#: read scans a file in pieces of this size.
+SCAN_CHUNK_BYTES = 1024 * 1024
+
+#: Flags for opening a file to read: O_NONBLOCK so that a FIFO opens at once
+#: (and a read from it returns at once) instead of waiting for a writer;
+#: O_NOCTTY so that a terminal never becomes the runner's controlling terminal.
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 _BOM = b"\xef\xbb\xbf"
 _IMAGE_MAGIC = (
@@ -50,21 +68,29 @@ def _os_error(error, path, action, workspace):
         text = f"{path} is a directory; {action} works on files."
     elif isinstance(error, NotADirectoryError):
         text = f"Cannot {action} {path}: a part of the path that should be a directory is a file."
+    elif error.errno in (errno.ENOSPC, errno.EDQUOT):
+        full = ("the disk is full (no space left on device)" if error.errno == errno.ENOSPC
+                else "the disk quota is full (the owner's quota is exceeded)")
+        text = (f"Cannot {action} {path}: {full}. Nothing was written: {path} is as it was "
+                "before. Free some space (bash `du -ah . | sort -h | tail -20` shows what is "
+                "large) and try again.")
     else:
         text = f"Cannot {action} {path}: {error.strerror or error}."
     return _error(text, path)
 
 
 def _file_kind(mode):
-    """A word for the kind of file mode describes."""
+    """Words for the kind of file mode describes."""
     if stat.S_ISDIR(mode):
         return "directory"
     if stat.S_ISFIFO(mode):
         return "FIFO (named pipe)"
     if stat.S_ISSOCK(mode):
-        return "socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
+        return "Unix socket"
+    if stat.S_ISCHR(mode):
+        return "character device"
+    if stat.S_ISBLK(mode):
+        return "block device"
     return "special file"
 
 
@@ -76,6 +102,60 @@ def _not_regular(mode, path, action):
         return _error(f"{path} is a directory; {action} only works on files.{hint}", path)
     return _error(f"{path} is a {kind}, not a regular file; {action} only works on regular files.",
                   path)
+
+
+def _open_regular(full, path, action):
+    """Open full for reading, but only if it is a regular file; never block.
+
+    Returns ``(fd, stat_result)`` with fd in blocking mode, or an isError
+    result naming path and what it is instead (a directory, a FIFO, a
+    device, a socket).  OSError and ValueError (a NUL in the path) reach
+    the caller.
+
+    A stat comes first so that a FIFO or a device is normally refused
+    without being opened at all (opening one has effects: it completes the
+    open of a writer waiting on the FIFO, a device driver may act).  The
+    stat alone would be racy, as the tenant can swap the file for a FIFO
+    before the open, so the open itself cannot block (``O_NONBLOCK``; a
+    socket fails with ENXIO), the descriptor is checked with fstat, and
+    only a regular file is put back into blocking mode.
+    """
+    info = os.stat(full)
+    if not stat.S_ISREG(info.st_mode):
+        return _not_regular(info.st_mode, path, action)
+    try:
+        fd = os.open(full, _READ_FLAGS)
+    except OSError as error:
+        if error.errno == errno.ENXIO:  # became a socket or a device after the stat
+            info = os.stat(full)
+            if not stat.S_ISREG(info.st_mode):
+                return _not_regular(info.st_mode, path, action)
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            return _not_regular(info.st_mode, path, action)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def _size_text(count):
+    """count bytes in words: ``64 MiB``, ``1.5 GiB``, ``900 bytes``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return (f"{count // scale} {unit}" if count % scale == 0
+                    else f"{count / scale:.1f} {unit}")
+    return f"{count} bytes"
+
+
+def _size_in_full(count):
+    """count bytes in words and, when rounded, exactly: ``10 GiB (10737418240 bytes)``."""
+    words = _size_text(count)
+    return words if count < 1024 else f"{words} ({count} bytes)"
 
 
 def _quote(path):
@@ -105,36 +185,51 @@ def _is_incomplete_utf8_tail(data, error):
 # -- read -----------------------------------------------------------------
 
 
-def read_file(workspace, path, offset=None, limit=None):
-    """The read tool: show lines of a text file, or an image, from path."""
+def read_file(workspace, path, offset=None, limit=None, max_bytes=DEFAULT_MAX_READ_BYTES):
+    """The read tool: show lines of a text file, or an image, from path.
+
+    A text file larger than max_bytes is refused; no more than max_bytes
+    are ever read, and memory stays bounded by the lines shown.
+    """
     try:
-        full = resolve_path(workspace, path)
-        info = os.stat(full)
-        if not stat.S_ISREG(info.st_mode):
-            return _not_regular(info.st_mode, path, "read")
-        # O_NONBLOCK: should the path turn into a FIFO after the stat, open still returns.
-        fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        opened = _open_regular(resolve_path(workspace, path), path, "read")
     except OSError as error:
         return _os_error(error, path, "read", workspace)
     except ValueError:
         return _error(f"{path!r} is not a usable path (it contains a NUL byte).", path)
+    if isinstance(opened, dict):
+        return opened
+    fd, info = opened
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return _not_regular(info.st_mode, path, "read")
         head = _read_fully(fd, SNIFF_BYTES)
         image_type = _image_type(head)
         if image_type:
-            return _read_image(fd, head, image_type, path)
+            return _read_image(fd, head, image_type, path, info.st_size)
         problem = _binary_problem(head, len(head) < SNIFF_BYTES)
         if problem:
             return _binary_error(path, info.st_size, problem)
-        total, region = _scan_lines(fd, head, offset or 1, READ_MAX_BYTES + 1)
+        if info.st_size > max_bytes:
+            return _too_large_to_read(path, info.st_size, max_bytes)
+        scanned = _scan_lines(fd, head, offset or 1, READ_MAX_BYTES + 1, max_bytes)
     except OSError as error:
         return _os_error(error, path, "read", workspace)
     finally:
         os.close(fd)
+    if scanned is None:  # it grew past the cap, or its size said less (as in /proc)
+        return _too_large_to_read(path, None, max_bytes)
+    total, region = scanned
     return _show_lines(path, info.st_size, total, region, offset or 1, limit)
+
+
+def _too_large_to_read(path, size, max_bytes):
+    """The isError result for a text file larger than read opens (size None: it grew)."""
+    quoted = _quote(path)
+    what = (f"is {_size_in_full(size)}, larger than" if size is not None
+            else "turned out, while it was read, to hold more than")
+    return _error(f"{path} {what} the {_size_text(max_bytes)} read opens. Look at "
+                  f"parts of it with bash instead, for example `head -n 200 {quoted}`, "
+                  f"`sed -n '1000,1200p' {quoted}`, `tail -n 200 {quoted}` or "
+                  f"`grep -n PATTERN {quoted} | head`.", path)
 
 
 def _image_type(head):
@@ -147,12 +242,14 @@ def _image_type(head):
     return None
 
 
-def _read_image(fd, head, mime_type, path):
+def _read_image(fd, head, mime_type, path, size):
     """A result carrying the image in fd (whose first bytes are head) as MCP image content."""
     import base64
 
-    data = head + _read_fully(fd, IMAGE_MAX_BYTES + 1 - len(head))
-    if len(data) > IMAGE_MAX_BYTES:
+    data = b""
+    if size <= IMAGE_MAX_BYTES:  # else refuse without reading it
+        data = head + _read_fully(fd, IMAGE_MAX_BYTES + 1 - len(head))
+    if size > IMAGE_MAX_BYTES or len(data) > IMAGE_MAX_BYTES:
         return _error(f"{path} is an image ({mime_type}) larger than {IMAGE_MAX_BYTES} bytes, "
                       "too large to return. Make a smaller copy with bash first.", path)
     text = f"Read image {path} ({mime_type}, {len(data)} bytes)."
@@ -182,33 +279,47 @@ def _binary_error(path, size, problem):
                   f"`xxd {quoted} | head -50`.", path)
 
 
-def _scan_lines(fd, head, offset, cap):
+def _scan_lines(fd, head, offset, cap, max_bytes):
     """Read a file to its end from fd (head already read); count its lines.
 
     Returns ``(total_lines, region)``: region is at most cap bytes of the
-    file starting at line offset, so memory stays bounded however big the file.
+    file starting at line offset.  The file is read in pieces and only the
+    region is kept, so memory stays bounded however big the file or its
+    lines; the rest is only counted, for the total.  Returns None, having
+    read at most max_bytes + 1 bytes (or head, if longer), when the file
+    holds more than max_bytes: it grew after its size was checked, or it is
+    a file like those in /proc whose size says 0.
     """
     to_skip = offset - 1
     region = bytearray()
     newlines = 0
     last = b""
-    chunk = head
-    while chunk:
+    # Pieces are read into one reused buffer: a fresh 1 MiB object per read
+    # costs a page fault per page and made scanning several times slower.
+    buffer = bytearray(SCAN_CHUNK_BYTES)
+    view = memoryview(buffer)
+    chunk, length = head, len(head)
+    seen = length
+    while length:
+        if seen > max_bytes:
+            return None
         begin = 0
+        count = chunk.count(b"\n", 0, length)
         if to_skip:
-            count = chunk.count(b"\n")
             if count < to_skip:
                 to_skip -= count
                 begin = None
             else:
                 for _ in range(to_skip):
-                    begin = chunk.index(b"\n", begin) + 1
+                    begin = chunk.index(b"\n", begin, length) + 1
                 to_skip = 0
         if begin is not None and len(region) < cap:
-            region += chunk[begin:begin + cap - len(region)]
-        newlines += chunk.count(b"\n")
-        last = chunk[-1:]
-        chunk = os.read(fd, 1 << 20)
+            region += chunk[begin:min(length, begin + cap - len(region))]
+        newlines += count
+        last = chunk[length - 1:length]
+        chunk = buffer
+        length = os.readv(fd, [view[:min(SCAN_CHUNK_BYTES, max_bytes + 1 - seen)]])
+        seen += length
     total = newlines + (1 if last and last != b"\n" else 0)
     return total, bytes(region)
 
@@ -257,7 +368,16 @@ def _show_lines(path, size, total, region, offset, limit):
 
 
 def write_file(workspace, path, content):
-    """The write tool: replace (or create) path with content, atomically."""
+    """The write tool: replace (or create) path with content, atomically.
+
+    An existing target that is not a regular file (a FIFO, a device, a
+    socket, a directory) is refused, not replaced: the file is never opened,
+    so nothing can block.  (A tenant who swaps the target for a FIFO between
+    the check and the final rename gets the FIFO replaced by the new file:
+    the rename cannot be made conditional, and nothing blocks either way.)
+    A write that fails, a full disk included, leaves the old file as it was
+    and removes its temporary file and any parent directory it created.
+    """
     try:
         data = content.encode("utf-8")
     except UnicodeEncodeError as error:
@@ -265,6 +385,7 @@ def write_file(workspace, path, content):
                       f"cannot encode; nothing was written to {path}.", path)
     if path.endswith("/"):
         return _error(f"{path} names a directory (it ends with /); give the path of a file.", path)
+    created = []
     try:
         # Write through a symbolic link to its target, as editors do: replacing
         # the link itself would silently cut the file loose from its link.
@@ -278,13 +399,48 @@ def write_file(workspace, path, content):
                 return _not_regular(info.st_mode, path, "write")
             if not os.access(target, os.W_OK):
                 return _error(f"Permission denied: {path} is read-only.", path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
+        created = _make_parents(os.path.dirname(target))
         atomic_write(target, data, like=info)
     except OSError as error:
+        _remove_directories(created)
         return _os_error(error, path, "write", workspace)
     except ValueError:
         return _error(f"{path!r} is not a usable path (it contains a NUL byte).", path)
     return tool_result(f"Wrote {len(data)} bytes to {path}", {"path": path, "bytes": len(data)})
+
+
+def _make_parents(directory):
+    """Create directory and its missing parents; return those created, outermost first."""
+    missing = []
+    while not os.path.isdir(directory):
+        missing.append(directory)
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    created = []
+    try:
+        for directory in reversed(missing):
+            try:
+                os.mkdir(directory)
+            except FileExistsError:
+                if not os.path.isdir(directory):  # a file where a directory should be
+                    raise NotADirectoryError(errno.ENOTDIR, "Not a directory", directory) from None
+                continue  # made meanwhile by someone else: not ours to remove
+            created.append(directory)
+    except OSError:
+        _remove_directories(created)
+        raise
+    return created
+
+
+def _remove_directories(directories):
+    """Remove the (empty) directories a failed write created, innermost first."""
+    for directory in reversed(directories):
+        try:
+            os.rmdir(directory)
+        except OSError:  # no longer empty: something else wrote there meanwhile
+            pass
 
 
 def atomic_write(target, data, like=None):
@@ -336,19 +492,30 @@ def atomic_write(target, data, like=None):
 # -- edit -----------------------------------------------------------------
 
 
-def edit_file(workspace, path, edits):
-    """The edit tool: apply exact-text replacements to path in one atomic write."""
+def edit_file(workspace, path, edits, max_bytes=DEFAULT_MAX_EDIT_BYTES):
+    """The edit tool: apply exact-text replacements to path in one atomic write.
+
+    A file larger than max_bytes is refused; no more than max_bytes + 1
+    bytes of it are ever read.
+    """
     try:
         target = os.path.realpath(resolve_path(workspace, path))
-        info = os.stat(target)
-        if not stat.S_ISREG(info.st_mode):
-            return _not_regular(info.st_mode, path, "edit")
-        with open(target, "rb") as file:
-            raw = file.read()
+        opened = _open_regular(target, path, "edit")
+        if isinstance(opened, dict):
+            return opened
+        fd, info = opened
+        try:
+            raw = b"" if info.st_size > max_bytes else _read_fully(fd, max_bytes + 1)
+        finally:
+            os.close(fd)
     except OSError as error:
         return _os_error(error, path, "edit", workspace)
     except ValueError:
         return _error(f"{path!r} is not a usable path (it contains a NUL byte).", path)
+    if info.st_size > max_bytes:
+        return _too_large_to_edit(path, info.st_size, max_bytes)
+    if len(raw) > max_bytes:
+        return _too_large_to_edit(path, None, max_bytes)
     bom = raw.startswith(_BOM)
     try:
         text = raw[len(_BOM):].decode("utf-8") if bom else raw.decode("utf-8")
@@ -390,6 +557,15 @@ def edit_file(workspace, path, edits):
     return tool_result(f"{summary}\n\n{diff}",
                        {"path": path, "diff": diff, "firstChangedLine": first_line,
                         "edits": count})
+
+
+def _too_large_to_edit(path, size, max_bytes):
+    """The isError result for a file larger than edit works on (size None: it grew)."""
+    what = (f"is {_size_in_full(size)}, larger than" if size is not None
+            else "turned out, while it was read, to hold more than")
+    return _error(f"{path} {what} the {_size_text(max_bytes)} edit works on; it was "
+                  f"not changed. Change it with bash instead, for example "
+                  f"`sed -i 's/OLD/NEW/' {_quote(path)}`.", path)
 
 
 def _plan_edits(text, edits, crlf, path):

@@ -36,7 +36,11 @@ _READ_SIZE = 256 * 1024
 
 USAGE = """\
 usage: runner --workspace DIR [--bash-timeout SECONDS] [--bash-max-timeout SECONDS]
-              [--max-output-lines N] [--max-output-bytes N] [--subreaper] [--setsid]
+              [--max-output-lines N] [--max-output-bytes N]
+              [--max-read-bytes N] [--max-edit-bytes N] [--subreaper] [--setsid]
+
+  --max-read-bytes N  read refuses text files larger than N bytes (default 67108864, 64 MiB)
+  --max-edit-bytes N  edit refuses files larger than N bytes (default 16777216, 16 MiB)
 """
 
 
@@ -47,14 +51,21 @@ class UsageError(Exception):
 class Options:
     """The runner's settings, from its command line."""
 
+    # The size caps equal runner.files.DEFAULT_MAX_READ_BYTES and
+    # DEFAULT_MAX_EDIT_BYTES, spelled out so that start-up need not import the tools.
     def __init__(self, workspace, bash_timeout=120.0, bash_max_timeout=3600.0,
                  max_output_lines=2000, max_output_bytes=51200,
+                 max_read_bytes=64 * 1024 * 1024, max_edit_bytes=16 * 1024 * 1024,
                  subreaper=False, setsid=False):
         self.workspace = workspace
         self.bash_timeout = bash_timeout
         self.bash_max_timeout = bash_max_timeout
         self.max_output_lines = max_output_lines
         self.max_output_bytes = max_output_bytes
+        #: read refuses a text file larger than this many bytes.
+        self.max_read_bytes = max_read_bytes
+        #: edit refuses a file larger than this many bytes.
+        self.max_edit_bytes = max_edit_bytes
         self.subreaper = subreaper
         self.setsid = setsid
 
@@ -66,6 +77,8 @@ _VALUE_OPTIONS = {
     "--bash-max-timeout": ("bash_max_timeout", float),
     "--max-output-lines": ("max_output_lines", int),
     "--max-output-bytes": ("max_output_bytes", int),
+    "--max-read-bytes": ("max_read_bytes", int),
+    "--max-edit-bytes": ("max_edit_bytes", int),
 }
 _FLAG_OPTIONS = {"--subreaper": "subreaper", "--setsid": "setsid"}
 

@@ -104,8 +104,11 @@ def tool_definitions(options):
             "description": (
                 "Read a UTF-8 text file. Returns at most 2000 lines or 50 KiB (whichever comes "
                 "first), never a partial line, with a note saying which offset continues. "
-                "PNG, JPEG, GIF and WebP images come back as images; other binary files are "
-                "refused. Relative paths resolve against the workspace; ~ is the home directory."
+                "PNG, JPEG, GIF and WebP images (up to 5 MiB) come back as images; other "
+                "binary files, text files over "
+                f"{_size_text(options.max_read_bytes)} and anything that is not a regular file "
+                "(a FIFO, a device, a socket) are refused: use bash (head, sed, tail) for those. "
+                "Relative paths resolve against the workspace; ~ is the home directory."
             ),
             "inputSchema": INPUT_SCHEMAS["read"],
             "annotations": {"readOnlyHint": True, "openWorldHint": False},
@@ -116,6 +119,7 @@ def tool_definitions(options):
             "description": (
                 "Write content to a file, replacing it atomically if it exists (a crash leaves "
                 "the old or the new content, never a mix) and creating parent directories. "
+                "An existing FIFO, device or socket is refused, not replaced. "
                 "The content is written as UTF-8 exactly as given. Relative paths resolve "
                 "against the workspace."
             ),
@@ -130,7 +134,8 @@ def tool_definitions(options):
                 "Replace exact text in a file. Each oldText must be non-empty, occur exactly "
                 "once in the current file and not overlap another edit; all edits apply to "
                 "the original file in one atomic write, or none do. CRLF line endings and a "
-                "byte order mark are kept. Returns a unified diff."
+                "byte order mark are kept. Returns a unified diff. Files over "
+                f"{_size_text(options.max_edit_bytes)} are refused."
             ),
             "inputSchema": INPUT_SCHEMAS["edit"],
             "annotations": {"destructiveHint": True, "openWorldHint": False},
@@ -138,6 +143,12 @@ def tool_definitions(options):
     ]
 
 
+def _size_text(count):
+    """count bytes in words for a description: ``64 MiB``, or the byte count."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale and count % scale == 0:
+            return f"{count // scale} {unit}"
+    return f"{count} bytes"
 
 
 def check_arguments(name, arguments):
@@ -248,7 +259,9 @@ def run(name, arguments, call):
 
     if name == "read":
         return files.read_file(options.workspace, arguments["path"],
-                               arguments.get("offset"), arguments.get("limit"))
+                               arguments.get("offset"), arguments.get("limit"),
+                               max_bytes=options.max_read_bytes)
     if name == "write":
         return files.write_file(options.workspace, arguments["path"], arguments["content"])
-    return files.edit_file(options.workspace, arguments["path"], arguments["edits"])
+    return files.edit_file(options.workspace, arguments["path"], arguments["edits"],
+                           max_bytes=options.max_edit_bytes)

@@ -1,10 +1,14 @@
 """Per-conversation cgroups: limits, a kill nothing escapes, and an emptiness check.
 
-Every runner starts inside a cgroup of its own, created before the runner
-exists: the spawned command is prefixed with a tiny ``/bin/sh`` step, still
-root, that writes its own pid into the cgroup's ``cgroup.procs`` and then
-execs the isolation command, so every process of the conversation (the
-isolation's helpers, the runner, everything it starts) is born inside.
+Every runner runs inside a cgroup of its own, created before the runner is
+spawned. Moving a process into a cgroup waits for an RCU grace period
+(~10 ms here), so it is not done on the way to the runner's first answer:
+the supervisor spawns the runner, then moves the whole spawned tree (the
+isolation's helpers and the runner) into the cgroup from a thread while the
+runner's interpreter starts, and holds the client's bytes back until that
+is done. The runner starts no process before it reads a request, so no
+tenant code ever runs outside the cgroup; everything started later is born
+inside.
 
 Two hierarchies are supported:
 
@@ -32,15 +36,10 @@ import signal
 from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall
 
+from supervisor import proctree
+
 #: The leaf the supervisor moves itself into inside a delegated v2 subtree.
 SUPERVISOR_LEAF = "supervisor"
-#: The shell step that joins the cgroups named by its arguments before
-#: exec'ing the rest: ``sh -c SCRIPT corral-cgroup PROCS... -- ARGV...``.
-_JOIN_SCRIPT = (
-    'while [ "$1" != -- ]; do echo 0 > "$1" || exit 125; shift; done; shift; '
-    # The shell exports a PWD of its own; the runner's environment is ours alone.
-    'unset PWD OLDPWD; exec "$@"'
-)
 #: While waiting for a killed cgroup to empty, how often to kill again
 #: (a process that was mid-fork when the freezer was set may appear late).
 REKILL_SECONDS = 0.1
@@ -118,12 +117,28 @@ class ConversationCgroup:
         """The ``cgroup.procs`` files a process writes itself into to join."""
         return [os.path.join(d, "cgroup.procs") for d in self.directories]
 
-    def wrap(self, executable: str, args: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
-        """The command that joins this cgroup, then execs ``args``."""
-        del executable  # args[0] names the program; the shell execs by path
-        return "/bin/sh", (
-            "/bin/sh", "-c", _JOIN_SCRIPT, "corral-cgroup", *self.procs_files, "--", *args,
-        )
+    def adopt(self, pid: int, max_rounds: int = 20) -> int:
+        """Move ``pid`` and every descendant into this cgroup; return how many moved.
+
+        Blocking (each first move waits for an RCU grace period, ~10 ms), so
+        it runs in a thread while the runner starts. A process forked by a
+        process already moved is born inside; one forked just before its
+        parent moved shows up in the next round, so the rounds go on until
+        a round finds nobody new.
+        """
+        moved: set[int] = set()
+        for _ in range(max_rounds):
+            fresh = [p for p in [pid, *proctree.descendants(pid)] if p not in moved]
+            if not fresh:
+                return len(moved)
+            for process in fresh:
+                for procs in self.procs_files:
+                    try:
+                        _write(procs, str(process))
+                    except ProcessLookupError:
+                        break
+                moved.add(process)
+        raise CgroupError(f"processes under {pid} kept appearing; cannot place them all")
 
     def kill(self) -> int:
         """SIGKILL every process in the cgroup, so that none can fork away; return the count."""

@@ -124,6 +124,13 @@ def _parse_size(value: Any) -> int | None:
     return number
 
 
+def _parse_size_required(value: Any) -> int:
+    size = _parse_size(value)
+    if size is None:
+        raise ValueError("expected a size such as 64M; max is not allowed here")
+    return size
+
+
 def _parse_count_or_max(low: int, high: int) -> Callable[[Any], int | None]:
     whole = _parse_int(low, high)
 
@@ -230,6 +237,11 @@ KEYS: tuple[Key, ...] = (
         "Largest timeout a bash call may ask for, in seconds."),
     Key("stop_timeout", _parse_seconds, lambda c: 10.0,
         "Seconds to wait for runners to die at shutdown before giving up."),
+    Key("max_read_bytes", _parse_size_required, lambda c: 64 << 20,
+        "Largest file the read tool opens (it shows 50 KiB at a time; larger "
+        "files are refused with advice to use bash)."),
+    Key("max_edit_bytes", _parse_size_required, lambda c: 16 << 20,
+        "Largest file the edit tool changes."),
     Key("cgroups", _parse_choice("auto", "v2", "v1", "off"), lambda c: "auto",
         "Per-conversation cgroups: auto (v2 with memory and pids controllers, "
         "else v1), v2, v1, or off."),
@@ -276,6 +288,8 @@ class Config:
     bash_timeout: float
     bash_max_timeout: float
     stop_timeout: float
+    max_read_bytes: int
+    max_edit_bytes: int
     cgroups: str
     cgroup_root: str | None
     memory_limit: int | None

@@ -74,6 +74,9 @@ class ConversationProtocol(Protocol):
         self._client_eof = False
         self._hangup_watch = None
         self.oom_kills = 0
+        # Until the runner's tree is in its cgroup, the client's bytes wait here.
+        self._input_held = False
+        self._held = bytearray()
 
     # -- hello ---------------------------------------------------------
 
@@ -114,7 +117,11 @@ class ConversationProtocol(Protocol):
         """Relay bytes to the runner, or collect the hello line."""
         if self.state == "relaying":
             self.bytes_in += len(data)
-            self.runner.write(data)
+            if self._input_held:
+                self._held += data
+                self.pause_client()
+            else:
+                self.runner.write(data)
         elif self.state == "hello":
             self._buffer += data
             end = self._buffer.find(b"\n", 0, MAX_HELLO_BYTES)
@@ -157,7 +164,7 @@ class ConversationProtocol(Protocol):
 
     def resume_client(self):
         """Read the client again."""
-        if not self._client_eof:
+        if not self._client_eof and not self._input_held:
             self._stop_hangup_watch()
             self.transport.resumeProducing()
 
@@ -169,7 +176,8 @@ class ConversationProtocol(Protocol):
                 CorralError(BAD_HELLO, "the client ended its input before a complete hello")
             )
         elif self.state == "relaying":
-            self.runner.transport.closeStdin()
+            if not self._input_held:
+                self.runner.transport.closeStdin()
             self._watch_hangup()
 
     def writeConnectionLost(self):
@@ -276,6 +284,10 @@ class ConversationProtocol(Protocol):
                 f"{config.bash_timeout:g}",
                 "--bash-max-timeout",
                 f"{config.bash_max_timeout:g}",
+                "--max-read-bytes",
+                str(config.max_read_bytes),
+                "--max-edit-bytes",
+                str(config.max_edit_bytes),
                 "--subreaper",
             ),
             env=runner_env(self.workspace),
@@ -297,7 +309,6 @@ class ConversationProtocol(Protocol):
                     f"the conversation's cgroup could not be created ({e.strerror}); "
                     "see the supervisor's log",
                 ) from None
-            executable, args = self.cgroup.wrap(executable, args)
         self.runner = RunnerProcessProtocol(
             self.reactor, self._runner_output, {"connection": self.connection_id}
         )
@@ -309,6 +320,11 @@ class ConversationProtocol(Protocol):
             childFDs={0: "w", 1: "r", 2: "r"},
         )
         self.runner.ended.addCallback(self._runner_ended)
+        if self.cgroup is not None:
+            self._input_held = True
+            deferToThreadPool(
+                self.reactor, self.reactor.getThreadPool(), self.cgroup.adopt, self.runner.pid
+            ).addCallbacks(self._cgroup_joined, self._cgroup_join_failed)
         supervisor.auditor.emit(
             "runner_started",
             pid=self.runner.pid,
@@ -323,6 +339,29 @@ class ConversationProtocol(Protocol):
             conversation=self.hello.conversation,
             uid=self.runner_uid,
         )
+
+    def _cgroup_joined(self, moved: int) -> None:
+        """The runner's tree is in its cgroup: let the client's bytes through."""
+        self._input_held = False
+        if self.state != "relaying" and self.state != "starting":
+            return
+        if self._held:
+            held, self._held = bytes(self._held), bytearray()
+            self.runner.write(held)
+        if self._client_eof:
+            self.runner.transport.closeStdin()
+        elif self.state == "relaying":
+            self.resume_client()
+
+    def _cgroup_join_failed(self, failure) -> None:
+        self.log.failure(
+            "could not move runner {pid} into its cgroup; closing connection {connection}",
+            failure,
+            pid=self.runner.pid,
+            connection=self.connection_id,
+        )
+        self.runner.kill()
+        self.transport.abortConnection()
 
     def _start_failed(self, failure):
         if failure.check(CorralError):
@@ -408,7 +447,8 @@ class ConversationProtocol(Protocol):
             runner.discard_output()
             if self.cgroup is not None:
                 self.cgroup.kill()
-            else:
+            if self.cgroup is None or self._input_held:
+                # Not (yet) all in the cgroup: kill the process tree itself.
                 runner.kill()
             done = runner.ended
             if self.cgroup is not None:

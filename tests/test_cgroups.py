@@ -152,9 +152,10 @@ def test_v2_mechanics_on_a_real_cgroup2_mount():
     try:
         hierarchy.prepare()
         cgroup = hierarchy.create("1.alice.c-1", {"memory_limit": None, "pids_limit": None})
-        executable, args = cgroup.wrap("/bin/sh", ("/bin/sh", "-c", "setsid sleep 300 & sleep 300"))
-        process = subprocess.Popen(args, executable=executable)
-        wait_until(lambda: len(open(cgroup.procs_files[0]).read().split()) >= 2)
+        process = subprocess.Popen(["/bin/sh", "-c", "setsid sleep 300 & sleep 300"])
+        time.sleep(0.1)
+        assert cgroup.adopt(process.pid) >= 2
+        assert len(open(cgroup.procs_files[0]).read().split()) >= 2
         assert cgroup.populated()
         assert cgroup.kill() >= 2
         process.wait(10)
@@ -166,16 +167,16 @@ def test_v2_mechanics_on_a_real_cgroup2_mount():
         remove_cgroup_root("/" + os.path.basename(base))
 
 
-def test_v1_freeze_kill_thaw_outruns_a_fork_loop():
-    """v1's freeze-kill-thaw kills a fork loop's every process."""
+def test_v1_adopts_and_kills_a_fork_loop():
+    """A fork loop adopted while it runs is wholly inside, and freeze-kill-thaw kills it all."""
     hierarchy, _ = cgroups.find_hierarchy("v1", f"/corral-test-v1-{os.getpid()}")
     if hierarchy is None:
         pytest.fail("no cgroup v1 memory/pids/freezer on this host")
     try:
         hierarchy.prepare()
         cgroup = hierarchy.create("1.alice.loop", {"memory_limit": 1 << 30, "pids_limit": 256})
-        executable, args = cgroup.wrap("/bin/sh", ("/bin/sh", "-c", "while :; do sleep 30 & done"))
-        process = subprocess.Popen(args, executable=executable)
+        process = subprocess.Popen(["/bin/sh", "-c", "while :; do sleep 30 & done"])
+        cgroup.adopt(process.pid)
         time.sleep(0.3)
         cgroup.kill()
         process.wait(10)

@@ -379,3 +379,18 @@ def test_isolation_none_reports_the_uid_it_really_uses(start_supervisor):
     with open_session(supervisor) as session:
         assert session.reply["uid"] == os.geteuid()
         assert int(bash(session, "id -u")[0].split()[0]) == os.geteuid()
+
+
+def test_file_size_caps_reach_the_runner(start_supervisor):
+    """max_read_bytes and max_edit_bytes from the configuration bound the runner's file tools."""
+    supervisor = start_supervisor(
+        "none", extra_args=["--max-read-bytes", "1M", "--max-edit-bytes", "1M"]
+    )
+    with open_session(supervisor) as session:
+        session.call_tool("write", {"path": "big.txt", "content": "x\n" * (600 * 1024)})
+        read = session.call_tool("read", {"path": "big.txt"})
+        edit = session.call_tool(
+            "edit", {"path": "big.txt", "edits": [{"oldText": "x\nx\nx", "newText": "y"}]}
+        )
+    assert read["isError"] and "larger than the 1 MiB read opens" in read["content"][0]["text"]
+    assert edit["isError"]

@@ -8,13 +8,16 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The key under which a runner output line that is not JSON is kept in ``messages``.
+UNPARSABLE = "unparsable line"
 RUNNER_MAIN = REPO_ROOT / "runner" / "__main__.py"
 
 
 class RunnerProcess:
     """A runner started as ``python -I -S runner/__main__.py``, with a reader thread.
 
-    Every message the runner writes is parsed and kept in ``messages``, in order.
+    Every message the runner writes is parsed and kept in ``messages``, in order;
+    a line that is not JSON is kept as ``{UNPARSABLE: line}`` so tests can see it.
     """
 
     def __init__(self, workspace, *options):
@@ -33,7 +36,10 @@ class RunnerProcess:
 
     def _read_stdout(self):
         for line in self.process.stdout:
-            message = json.loads(line)
+            try:
+                message = json.loads(line)
+            except ValueError:
+                message = {UNPARSABLE: line}
             with self._condition:
                 self.messages.append(message)
                 self._condition.notify_all()
@@ -74,12 +80,12 @@ class RunnerProcess:
             message["params"] = params
         self.send(message)
 
-    def wait_for(self, predicate, timeout=10):
-        """The first message (received so far or later) for which predicate is true."""
+    def wait_for(self, predicate, timeout=10, start=0):
+        """The first message from index start (received so far or later) that predicate accepts."""
         deadline = time.monotonic() + timeout
         with self._condition:
             while True:
-                for message in self.messages:
+                for message in self.messages[start:]:
                     if predicate(message):
                         return message
                 remaining = deadline - time.monotonic()
@@ -108,6 +114,14 @@ class RunnerProcess:
         answer = self.response(self.start_tool(name, arguments, meta), timeout)
         assert "result" in answer, answer
         return answer["result"]
+
+    def peak_memory_kib(self):
+        """The runner's peak resident memory so far (VmHWM), in KiB."""
+        with open(f"/proc/{self.process.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+        raise AssertionError("no VmHWM in /proc/PID/status")
 
     def close(self, timeout=10):
         """Close stdin and wait for the runner to exit; return its exit status."""

@@ -267,7 +267,7 @@ def test_write_failure_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatc
     monkeypatch.setattr(files.os, "replace", broken_replace)
     result = write_file(str(tmp_path), "keep.txt", "new")
     assert result["isError"] is True
-    assert "No space left on device" in text_of(result)
+    assert "the disk is full" in text_of(result)
     assert target.read_text() == "original"
     assert os.listdir(tmp_path) == ["keep.txt"]
 
