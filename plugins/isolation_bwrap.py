@@ -5,7 +5,8 @@ capabilities, ``no_new_privs``); bubblewrap then runs unprivileged and builds
 the sandbox in a user namespace that maps the owner's uid to itself, so the
 host sees the tenant's uid, never root (``bwrap --unshare-user`` started as
 root would leave host uid 0). Inside: a read-only system, the workspace
-bound read-write at its own path, a private ``/tmp``, new pid, network, IPC
+bound read-write at its own path, a private, size-capped ``/tmp`` and
+``/dev/shm``, new pid, network, IPC
 and UTS namespaces, ``--disable-userns`` against nested user namespaces,
 ``--die-with-parent`` and ``--new-session``. Without root, the same sandbox
 runs as the supervisor's user.
@@ -54,7 +55,13 @@ class BwrapIsolation:
         self._reason = self._probe()
 
     def _sandbox(
-        self, uid: int, gid: int, workspace: str, extra_ro: list[str], bind: str | None = None
+        self,
+        uid: int,
+        gid: int,
+        workspace: str,
+        extra_ro: list[str],
+        bind: str | None = None,
+        tmp_size: int = 1 << 30,
     ) -> list[str]:
         args = [
             self.bwrap,
@@ -77,8 +84,14 @@ class BwrapIsolation:
             "/proc",
             "--dev",
             "/dev",
+            "--size",
+            str(tmp_size),
             "--tmpfs",
             "/tmp",
+            "--size",
+            str(tmp_size),
+            "--tmpfs",
+            "/dev/shm",
         ]
         for path in extra_ro:
             args += ["--ro-bind", path, path]
@@ -127,6 +140,7 @@ class BwrapIsolation:
             launch.workspace,
             [launch.runner_dir],
             bind=os.path.dirname(launch.workspace),
+            tmp_size=launch.tmp_size,
         )
         args += launch.runner_command()
         return SpawnSpec(args[0], tuple(args), dict(launch.env))

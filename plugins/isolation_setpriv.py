@@ -6,9 +6,10 @@ supervisor's life; ``unshare`` (still root) creates the namespaces and mounts a 
 shows only the conversation's processes; ``setpriv`` then drops to the
 owner's uid and gid with no supplementary groups, an empty capability
 bounding set and ``no_new_privs``, and sets the parent-death signal after
-the drop (a uid change clears it). The runner is the init of its pid
-namespace: when it dies, the kernel kills everything it left behind. It
-starts its own session.
+the drop (a uid change clears it). Between the two, a shell mounts a
+private, size-capped tmpfs on ``/tmp`` and ``/dev/shm`` in the new mount
+namespace. The runner is the init of its pid namespace: when it dies, the
+kernel kills everything it left behind. It starts its own session.
 """
 
 import os
@@ -19,6 +20,19 @@ from zope.interface import implementer
 from supervisor.hookspecs import hookimpl
 from supervisor.interfaces import IIsolationStrategy
 from supervisor.spawn import SpawnSpec
+
+
+#: Directories each conversation gets a private tmpfs on.
+PRIVATE_DIRS = ("/tmp", "/dev/shm")
+
+_PRIVATE_TMP = (
+    'size="$1"; shift; '
+    "for dir in /tmp /dev/shm; do "
+    'mount -t tmpfs -o "size=$size,mode=1777,nosuid,nodev" corral-tmp "$dir" || exit 125; '
+    "done; "
+    # The shell exports a PWD of its own; the runner's environment is ours alone.
+    'unset PWD OLDPWD; exec "$@"'
+)
 
 
 def setpriv_drop(setpriv: str, uid: int, gid: int) -> list[str]:
@@ -73,6 +87,13 @@ class SetprivIsolation:
             "--fork",
             "--kill-child=SIGKILL",
             "--",
+            # Still root, in the new mount namespace: a private, size-capped
+            # /tmp and /dev/shm that vanish with the namespace.
+            "/bin/sh",
+            "-c",
+            _PRIVATE_TMP,
+            "corral-tmp",
+            str(launch.tmp_size),
             *setpriv_drop(self.setpriv, launch.uid, launch.gid),
             *launch.runner_command(),
             "--setsid",
@@ -83,6 +104,14 @@ class SetprivIsolation:
 def _build(argument, config):
     if argument:
         raise ValueError("setpriv isolation takes no argument")
+    for key in ("state_dir", "workspace_root"):
+        path = getattr(config, key)
+        if any(path == d or path.startswith(d + "/") for d in PRIVATE_DIRS):
+            raise ValueError(
+                f"{key} {path} is under {' or '.join(PRIVATE_DIRS)}, which each "
+                "conversation gets a private copy of under setpriv, hiding it; "
+                "choose a directory elsewhere (such as /var/lib/corral)"
+            )
     strategy = SetprivIsolation()
     reason = strategy.unavailable_reason()
     if reason:

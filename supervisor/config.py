@@ -228,6 +228,11 @@ KEYS: tuple[Key, ...] = (
         "Seconds a client has to send its hello."),
     Key("max_connections", _parse_int(1, 1_000_000), lambda c: 1024,
         "Concurrent connections; over the cap a client gets 'limit'."),
+    Key("max_connections_per_owner", _parse_int(1, 1_000_000), lambda c: 32,
+        "Concurrent connections of one owner; over the cap a client gets 'limit'."),
+    Key("max_conversations_per_owner", _parse_int(1, 10_000_000), lambda c: 10000,
+        "Conversations (workspace directories) one owner may have; a hello for a "
+        "new one over the cap gets 'limit'."),
     Key("runner_python", _parse_path, lambda c: "/usr/bin/python3",
         "Interpreter that runs the runner; must be readable by every owner "
         "uid (not under /root)."),
@@ -242,6 +247,9 @@ KEYS: tuple[Key, ...] = (
         "files are refused with advice to use bash)."),
     Key("max_edit_bytes", _parse_size_required, lambda c: 16 << 20,
         "Largest file the edit tool changes."),
+    Key("tmp_size", _parse_size_required, lambda c: 1 << 30,
+        "Size of each conversation's private /tmp and of its /dev/shm (tmpfs; "
+        "their pages also count towards memory_limit)."),
     Key("cgroups", _parse_choice("auto", "v2", "v1", "off"), lambda c: "auto",
         "Per-conversation cgroups: auto (v2 with memory and pids controllers, "
         "else v1), v2, v1, or off."),
@@ -284,12 +292,15 @@ class Config:
     uid_range: tuple[int, int]
     hello_timeout: float
     max_connections: int
+    max_connections_per_owner: int
+    max_conversations_per_owner: int
     runner_python: str
     bash_timeout: float
     bash_max_timeout: float
     stop_timeout: float
     max_read_bytes: int
     max_edit_bytes: int
+    tmp_size: int
     cgroups: str
     cgroup_root: str | None
     memory_limit: int | None

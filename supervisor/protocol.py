@@ -22,7 +22,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from supervisor.errors import BAD_HELLO, INTERNAL, LIMIT, UNAVAILABLE, CorralError
-from supervisor.hello import MAX_HELLO_BYTES, Hello, parse_hello
+from supervisor.hello import MAX_HELLO_BYTES, NAME_PATTERN, Hello, parse_hello
 from supervisor.runner_process import (
     ClientInputProducer,
     RunnerOutputProducer,
@@ -35,6 +35,15 @@ _connection_ids = itertools.count(1)
 
 #: How often a client that is not being read is checked for a hang-up.
 HANGUP_CHECK_SECONDS = 1.0
+
+
+def count_conversations(owner_directory: str) -> int:
+    """How many conversation directories an owner has (blocking: run it in a thread)."""
+    with os.scandir(owner_directory) as entries:
+        return sum(
+            1 for e in entries
+            if NAME_PATTERN.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+        )
 
 
 def peer_credentials(transport) -> dict:
@@ -219,6 +228,17 @@ class ConversationProtocol(Protocol):
 
     async def _start_runner(self, hello: Hello) -> None:
         supervisor = self.supervisor
+        config = supervisor.config
+        same_owner = sum(
+            1 for c in supervisor.connections
+            if c.hello is not None and c.hello.owner == hello.owner and c.state != "refused"
+        )
+        if same_owner > config.max_connections_per_owner:
+            raise CorralError(
+                LIMIT,
+                f"owner {hello.owner!r} already has {config.max_connections_per_owner} "
+                "connections (max_connections_per_owner); close one or retry later",
+            )
         self.identity = await deferToThreadPool(
             self.reactor,
             self.reactor.getThreadPool(),
@@ -230,6 +250,20 @@ class ConversationProtocol(Protocol):
         created = not os.path.lexists(
             os.path.join(self.identity.directory, hello.conversation)
         )
+        if created:
+            existing = await deferToThreadPool(
+                self.reactor,
+                self.reactor.getThreadPool(),
+                count_conversations,
+                self.identity.directory,
+            )
+            if existing >= config.max_conversations_per_owner:
+                raise CorralError(
+                    LIMIT,
+                    f"owner {hello.owner!r} already has {existing} conversations "
+                    f"(max_conversations_per_owner is {config.max_conversations_per_owner}); "
+                    "delete some before starting new ones",
+                )
         self.workspace = await supervisor.storage.prepare_workspace(
             self.identity, hello.conversation
         )
@@ -291,6 +325,7 @@ class ConversationProtocol(Protocol):
                 "--subreaper",
             ),
             env=runner_env(self.workspace),
+            tmp_size=config.tmp_size,
         )
         spec = supervisor.isolation.spawn_spec(launch)
         executable, args = spec.executable, spec.args

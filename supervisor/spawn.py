@@ -22,6 +22,8 @@ class RunnerLaunch:
     runner_script: str
     runner_args: tuple[str, ...]
     env: dict = field(factory=dict)
+    #: Bytes of the private /tmp and /dev/shm a sandbox gives the conversation.
+    tmp_size: int = 1 << 30
 
     @property
     def runner_dir(self) -> str:

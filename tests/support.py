@@ -15,8 +15,12 @@ IS_ROOT = os.geteuid() == 0
 
 
 def traversable_tempdir(prefix: str) -> str:
-    """A temporary directory every uid can traverse (pytest's tmp_path is 0700)."""
-    path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    """A temporary directory every uid can traverse (pytest's tmp_path is 0700).
+
+    Under /var/tmp, not /tmp: setpriv isolation gives each conversation a
+    private /tmp, which would hide a state directory kept there.
+    """
+    path = tempfile.mkdtemp(prefix=prefix, dir="/var/tmp")
     os.chmod(path, 0o711)
     return path
 

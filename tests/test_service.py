@@ -88,6 +88,8 @@ def test_auto_isolation_prefers_bwrap(start_supervisor):
         (["--isolation", "docker"], "no isolation strategy named 'docker'"),
         (["--uid-range", "10-20"], "uid_range"),
         (["--audit", "nope"], "no audit sink named 'nope'"),
+        (["--isolation", "setpriv", "--state-dir", "/tmp/corral-under-tmp"],
+         "gets a private copy of under setpriv"),
     ],
 )
 def test_bad_configuration_stops_start_up(args, message):
@@ -143,3 +145,34 @@ def test_socket_directory_owned_by_someone_else_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="not a directory owned"):
         check_own_directory(str(link))
     check_own_directory(str(tmp_path))
+
+
+def test_per_owner_limits(start_supervisor):
+    """Over max_connections_per_owner or max_conversations_per_owner a hello gets 'limit'."""
+    from supervisor.client import HelloRefused
+
+    supervisor = start_supervisor(
+        "none",
+        extra_args=["--max-connections-per-owner", "2", "--max-conversations-per-owner", "3"],
+    )
+    first = Session.connect(supervisor.socket, "ann", "c-1")
+    second = Session.connect(supervisor.socket, "ann", "c-2")
+    with pytest.raises(HelloRefused) as caught:
+        Session.connect(supervisor.socket, "ann", "c-3")
+    assert caught.value.code == "limit" and "max_connections_per_owner" in caught.value.message
+    with Session.connect(supervisor.socket, "bob", "c-1") as other:
+        assert other.reply["ok"]
+    second.close()
+    wait_until(lambda: [e for e in supervisor.audit_events()
+                        if e["event"] == "connection_closed" and e.get("conversation") == "c-2"])
+    with Session.connect(supervisor.socket, "ann", "c-3") as third:
+        assert third.reply["ok"]
+    # Two closes of c-3: the refused attempt above, then this session.
+    wait_until(lambda: len([e for e in supervisor.audit_events()
+                            if e["event"] == "connection_closed"
+                            and e.get("conversation") == "c-3"]) == 2)
+    with pytest.raises(HelloRefused) as caught:
+        Session.connect(supervisor.socket, "ann", "c-4")
+    assert caught.value.code == "limit" and "max_conversations_per_owner" in caught.value.message
+    first.close()
+    assert not os.path.exists(os.path.join(supervisor.workspace_root, "ann", "c-4"))

@@ -394,3 +394,16 @@ def test_file_size_caps_reach_the_runner(start_supervisor):
         )
     assert read["isError"] and "larger than the 1 MiB read opens" in read["content"][0]["text"]
     assert edit["isError"]
+
+
+@pytest.mark.root
+def test_private_bounded_tmp_and_shm(start_supervisor, isolation):
+    """Each conversation has its own size-capped /tmp and /dev/shm; another sees none of it."""
+    supervisor = start_supervisor(isolation, extra_args=["--tmp-size", "8M"])
+    with open_session(supervisor, "ivy", "c-1") as ivy, open_session(supervisor, "jon", "c-1") as jon:
+        output, _ = bash(ivy, "echo ivy > /tmp/mine && echo ivy > /dev/shm/mine && "
+                              "head -c 20M /dev/zero > /tmp/fill; echo rc=$?; df -k /tmp /dev/shm")
+        assert "rc=0" not in output and "8192" in output
+        output, _ = bash(jon, "ls -a /tmp /dev/shm")
+        assert "mine" not in output and "fill" not in output
+    assert not os.path.exists("/tmp/mine") and not os.path.exists("/dev/shm/mine")
