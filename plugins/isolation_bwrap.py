@@ -138,7 +138,7 @@ class BwrapIsolation:
             launch.uid,
             launch.gid,
             launch.workspace,
-            [launch.runner_dir],
+            [launch.runner_dir, *launch.readable_files],
             bind=os.path.dirname(launch.workspace),
             tmp_size=launch.tmp_size,
         )

@@ -97,6 +97,7 @@ def run_bash(command, timeout, call):
         os.close(write_fd)
     output = _Output(options.max_output_lines, options.max_output_bytes,
                      os.path.join(options.workspace, ".corral", "output"), call.progress)
+    oom_before = _oom_kills(options)
     call.set_cancel_hook(lambda: job.kill("cancel"))
     _watchdog.watch(job, started + timeout)
     try:
@@ -115,7 +116,8 @@ def run_bash(command, timeout, call):
         os.close(read_fd)
     _reap_orphans()
     output.finish()
-    return _result(job, output, timeout, call.cancel_reason, started)
+    oom_killed = oom_before is not None and (_oom_kills(options) or 0) > oom_before
+    return _result(job, output, timeout, call.cancel_reason, started, oom_killed, options)
 
 
 class _Watchdog:
@@ -285,7 +287,31 @@ def _discard_until_eof(fd):
         os.close(fd)
 
 
-def _result(job, output, timeout, cancel_reason, started):
+def _oom_kills(options):
+    """The conversation cgroup's count of out-of-memory kills, or None when unknown."""
+    if not options.oom_events:
+        return None
+    try:
+        with open(options.oom_events, "rb") as f:
+            for line in f.read().splitlines():
+                name, _, value = line.partition(b" ")
+                if name == b"oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _memory_limit_text(limit):
+    if not limit:
+        return "its memory limit"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if limit >= size:
+            return f"its memory limit of {limit / size:g} {unit}"
+    return f"its memory limit of {limit} bytes"
+
+
+def _result(job, output, timeout, cancel_reason, started, oom_killed=False, options=None):
     """The CallToolResult for a finished job."""
     text, shown_lines = output.text()
     notes = []
@@ -311,13 +337,21 @@ def _result(job, output, timeout, cancel_reason, started):
         notes.append(f"Command was killed by signal {signal_number} ({name})")
     elif exit_code:
         notes.append(f"Command exited with code {exit_code}")
+    if oom_killed:
+        notes.append(
+            "The out-of-memory killer killed a process of this command: the conversation "
+            f"reached {_memory_limit_text(options.memory_limit)}. Use less memory "
+            "(smaller inputs, fewer parallel jobs), or ask the operator to raise memory_limit."
+        )
     if notes:
         text = (text.rstrip("\n") + "\n\n" if text else "") + "\n".join(notes)
     elif not text:
         text = "(no output)"
     structured = _structured(exit_code, signal_number, job.killed_by == "timeout",
                              job.killed_by == "cancel", output, started, None)
-    is_error = bool(exit_code) or signal_number is not None or job.killed_by is not None
+    structured["oomKilled"] = oom_killed
+    is_error = (bool(exit_code) or signal_number is not None or job.killed_by is not None
+                or oom_killed)
     return tool_result(text, structured, is_error=is_error)
 
 

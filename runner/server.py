@@ -38,9 +38,14 @@ USAGE = """\
 usage: runner --workspace DIR [--bash-timeout SECONDS] [--bash-max-timeout SECONDS]
               [--max-output-lines N] [--max-output-bytes N]
               [--max-read-bytes N] [--max-edit-bytes N] [--subreaper] [--setsid]
+              [--oom-events FILE] [--memory-limit N]
 
   --max-read-bytes N  read refuses text files larger than N bytes (default 67108864, 64 MiB)
   --max-edit-bytes N  edit refuses files larger than N bytes (default 16777216, 16 MiB)
+  --oom-events FILE   the conversation cgroup's file with an "oom_kill N" line
+                      (memory.events or memory.oom_control): bash says when the
+                      out-of-memory killer struck during a command
+  --memory-limit N    the conversation's memory limit in bytes, for that message
 """
 
 
@@ -56,7 +61,7 @@ class Options:
     def __init__(self, workspace, bash_timeout=120.0, bash_max_timeout=3600.0,
                  max_output_lines=2000, max_output_bytes=51200,
                  max_read_bytes=64 * 1024 * 1024, max_edit_bytes=16 * 1024 * 1024,
-                 subreaper=False, setsid=False):
+                 subreaper=False, setsid=False, oom_events=None, memory_limit=None):
         self.workspace = workspace
         self.bash_timeout = bash_timeout
         self.bash_max_timeout = bash_max_timeout
@@ -68,6 +73,10 @@ class Options:
         self.max_edit_bytes = max_edit_bytes
         self.subreaper = subreaper
         self.setsid = setsid
+        #: A cgroup file whose "oom_kill N" line counts out-of-memory kills.
+        self.oom_events = oom_events
+        #: The conversation's memory limit in bytes, when one is known.
+        self.memory_limit = memory_limit
 
 
 # option -> (attribute, type); every one takes a value that must be positive.
@@ -79,6 +88,8 @@ _VALUE_OPTIONS = {
     "--max-output-bytes": ("max_output_bytes", int),
     "--max-read-bytes": ("max_read_bytes", int),
     "--max-edit-bytes": ("max_edit_bytes", int),
+    "--oom-events": ("oom_events", str),
+    "--memory-limit": ("memory_limit", int),
 }
 _FLAG_OPTIONS = {"--subreaper": "subreaper", "--setsid": "setsid"}
 

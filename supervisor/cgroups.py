@@ -152,6 +152,10 @@ class ConversationCgroup:
         """How many processes the kernel's OOM killer killed in this cgroup."""
         return self.hierarchy.oom_kills(self)
 
+    def oom_events_file(self) -> str | None:
+        """The file with this cgroup's ``oom_kill`` count, for the runner to watch."""
+        return self.hierarchy.oom_events_file(self)
+
     def remove(self) -> None:
         """Remove the cgroup's directories (they must be empty of processes)."""
         for directory in self.directories:

@@ -303,6 +303,26 @@ class ConversationProtocol(Protocol):
     def _spawn(self):
         supervisor = self.supervisor
         config = supervisor.config
+        limits = config.limits_for(self.hello.owner)
+        if supervisor.cgroups is not None:
+            name = f"{self.connection_id}.{self.hello.owner}.{self.hello.conversation}"
+            try:
+                self.cgroup = supervisor.cgroups.create(name, limits)
+            except OSError as e:
+                self.log.error(
+                    "cannot create the cgroup {name}: {error}", name=name, error=e.strerror
+                )
+                raise CorralError(
+                    UNAVAILABLE,
+                    f"the conversation's cgroup could not be created ({e.strerror}); "
+                    "see the supervisor's log",
+                ) from None
+        oom_args: tuple[str, ...] = ()
+        oom_file = self.cgroup.oom_events_file() if self.cgroup is not None else None
+        if oom_file is not None:
+            oom_args = ("--oom-events", oom_file)
+            if limits["memory_limit"] is not None:
+                oom_args += ("--memory-limit", str(limits["memory_limit"]))
         launch = RunnerLaunch(
             owner=self.hello.owner,
             conversation=self.hello.conversation,
@@ -322,28 +342,15 @@ class ConversationProtocol(Protocol):
                 str(config.max_read_bytes),
                 "--max-edit-bytes",
                 str(config.max_edit_bytes),
+                *oom_args,
                 "--subreaper",
             ),
             env=runner_env(self.workspace),
             tmp_size=config.tmp_size,
+            readable_files=(oom_file,) if oom_file else (),
         )
         spec = supervisor.isolation.spawn_spec(launch)
         executable, args = spec.executable, spec.args
-        if supervisor.cgroups is not None:
-            name = f"{self.connection_id}.{self.hello.owner}.{self.hello.conversation}"
-            try:
-                self.cgroup = supervisor.cgroups.create(
-                    name, config.limits_for(self.hello.owner)
-                )
-            except OSError as e:
-                self.log.error(
-                    "cannot create the cgroup {name}: {error}", name=name, error=e.strerror
-                )
-                raise CorralError(
-                    UNAVAILABLE,
-                    f"the conversation's cgroup could not be created ({e.strerror}); "
-                    "see the supervisor's log",
-                ) from None
         self.runner = RunnerProcessProtocol(
             self.reactor, self._runner_output, {"connection": self.connection_id}
         )

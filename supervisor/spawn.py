@@ -24,6 +24,8 @@ class RunnerLaunch:
     env: dict = field(factory=dict)
     #: Bytes of the private /tmp and /dev/shm a sandbox gives the conversation.
     tmp_size: int = 1 << 30
+    #: Host files the runner reads (its cgroup's OOM counter): a sandbox binds them read-only.
+    readable_files: tuple[str, ...] = ()
 
     @property
     def runner_dir(self) -> str:

@@ -81,6 +81,8 @@ def test_memory_limit_confines_a_memory_bomb(start_supervisor, isolation):
         )
         assert result["exitCode"] != 0 or result.get("signal"), output
         assert "419430400" not in output
+        assert result["oomKilled"] is True
+        assert "out-of-memory killer" in output and "96 MiB" in output
         output, result = bash(calm, "echo still-here")
         assert "still-here" in output
     events = wait_until(

@@ -176,3 +176,31 @@ def test_per_owner_limits(start_supervisor):
     assert caught.value.code == "limit" and "max_conversations_per_owner" in caught.value.message
     first.close()
     assert not os.path.exists(os.path.join(supervisor.workspace_root, "ann", "c-4"))
+
+
+@pytest.mark.root
+def test_only_the_socket_group_can_connect(start_supervisor):
+    """A process of an unrelated uid is refused by the kernel; a member of the socket group is not."""
+    supervisor = start_supervisor("none", extra_args=["--socket-group", "23456"])
+    probe = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "try:\n"
+        "    s.connect(sys.argv[1])\n"
+        "except PermissionError:\n"
+        "    print('refused')\n"
+        "else:\n"
+        "    print('connected')\n"
+    )
+    outsider = subprocess.run(
+        ["setpriv", "--reuid=34567", "--regid=34567", "--clear-groups",
+         "/usr/bin/python3", "-I", "-S", "-c", probe, supervisor.socket],
+        capture_output=True, text=True, timeout=30,
+    )
+    member = subprocess.run(
+        ["setpriv", "--reuid=34567", "--regid=34567", "--groups=23456",
+         "/usr/bin/python3", "-I", "-S", "-c", probe, supervisor.socket],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert outsider.stdout.strip() == "refused", outsider.stderr
+    assert member.stdout.strip() == "connected", member.stderr
