@@ -27,6 +27,11 @@ def _build(argument, config):
     strategy, passed_over = choose_isolation()
     for reason in passed_over:
         log.warn("isolation auto: passed over {reason}", reason=reason)
+    if config.conversation_sharing != "owner" and (strategy is None or strategy.name != "bwrap"):
+        raise ValueError(
+            "conversation_sharing = 'private' needs bwrap isolation, which cannot run "
+            "here: " + "; ".join(passed_over)
+        )
     if strategy is None:
         return build_none(None, config)
     log.info("isolation auto chose {name}", name=strategy.name)

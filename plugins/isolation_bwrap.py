@@ -132,14 +132,17 @@ class BwrapIsolation:
 
     def spawn_spec(self, launch):
         """``[setpriv drop --] bwrap SANDBOX -- runner``."""
-        # The owner's whole directory is bound, so conversations of one owner
-        # see each other as they would under setpriv (DESIGN.md: they share a uid).
+        # By default the owner's whole directory is bound, so conversations of
+        # one owner see each other as they would under setpriv (DESIGN.md: they
+        # share a uid); conversation_sharing = "private" binds only this one.
+        # bwrap resolves the bind as the owner's uid, never as root.
+        shared = launch.sharing == "owner"
         args = self._sandbox(
             launch.uid,
             launch.gid,
             launch.workspace,
             [launch.runner_dir, *launch.readable_files],
-            bind=os.path.dirname(launch.workspace),
+            bind=os.path.dirname(launch.workspace) if shared else launch.workspace,
             tmp_size=launch.tmp_size,
         )
         args += launch.runner_command()

@@ -30,6 +30,9 @@ class NoIsolation:
 def _build(argument, config):
     import os
 
+    if config.conversation_sharing != "owner":
+        raise ValueError("conversation_sharing = 'private' needs bwrap isolation")
+
     if os.geteuid() == 0:
         log.warn(
             "isolation 'none' as root: tenants' commands run as root with the "

@@ -104,6 +104,11 @@ class SetprivIsolation:
 def _build(argument, config):
     if argument:
         raise ValueError("setpriv isolation takes no argument")
+    if config.conversation_sharing != "owner":
+        raise ValueError(
+            "conversation_sharing = 'private' needs bwrap isolation: under setpriv an "
+            "owner's conversations share one uid and one view of the file system"
+        )
     for key in ("state_dir", "workspace_root"):
         path = getattr(config, key)
         if any(path == d or path.startswith(d + "/") for d in PRIVATE_DIRS):

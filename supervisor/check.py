@@ -4,32 +4,15 @@ import os
 import shutil
 
 
-def _cgroup_status() -> tuple[bool, str]:
-    v2 = None
-    v1 = []
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if parts[2] == "cgroup2":
-                    v2 = parts[1]
-                elif parts[2] == "cgroup":
-                    v1.extend(o for o in parts[3].split(",") if o in ("memory", "pids", "freezer"))
-    except OSError:
-        return False, "cannot read /proc/self/mounts"
-    notes = []
-    if v2:
-        try:
-            with open(os.path.join(v2, "cgroup.controllers")) as f:
-                controllers = f.read().split()
-        except OSError:
-            controllers = []
-        notes.append(f"cgroup2 at {v2} (controllers: {' '.join(controllers) or 'none'})")
-    if v1:
-        notes.append("cgroup v1 controllers: " + " ".join(sorted(set(v1))))
-    if not notes:
-        return False, "no cgroup file system mounted"
-    return True, "; ".join(notes)
+def _cgroup_status(config) -> tuple[bool, str]:
+    from supervisor.cgroups import find_hierarchy
+
+    hierarchy, reasons = find_hierarchy(config.cgroups, config.cgroup_root)
+    if hierarchy is None:
+        return False, (
+            "; ".join(reasons) + ": conversations get no memory or process limits"
+        )
+    return True, hierarchy.describe() + (f" (passed over: {'; '.join(reasons)})" if reasons else "")
 
 
 def prerequisites(config) -> list[tuple[str, bool, str]]:
@@ -45,7 +28,7 @@ def prerequisites(config) -> list[tuple[str, bool, str]]:
     bwrap = BwrapIsolation()
     reason = bwrap.unavailable_reason()
     rows.append(("bwrap", reason is None, bwrap.bwrap if reason is None else reason))
-    ok, detail = _cgroup_status()
+    ok, detail = _cgroup_status(config)
     rows.append(("cgroups", ok, detail))
     python_ok = os.access(config.runner_python, os.X_OK)
     rows.append(("runner_python", python_ok, config.runner_python if python_ok else f"{config.runner_python} is not executable"))

@@ -233,6 +233,10 @@ KEYS: tuple[Key, ...] = (
     Key("max_conversations_per_owner", _parse_int(1, 10_000_000), lambda c: 10000,
         "Conversations (workspace directories) one owner may have; a hello for a "
         "new one over the cap gets 'limit'."),
+    Key("conversation_sharing", _parse_choice("owner", "private"), lambda c: "owner",
+        "owner: an owner's conversations see each other's files (they share a "
+        "uid); private: each conversation sees only its own directory (needs "
+        "bwrap isolation)."),
     Key("runner_python", _parse_path, lambda c: "/usr/bin/python3",
         "Interpreter that runs the runner; must be readable by every owner "
         "uid (not under /root)."),
@@ -294,6 +298,7 @@ class Config:
     max_connections: int
     max_connections_per_owner: int
     max_conversations_per_owner: int
+    conversation_sharing: str
     runner_python: str
     bash_timeout: float
     bash_max_timeout: float

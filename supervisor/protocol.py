@@ -348,6 +348,7 @@ class ConversationProtocol(Protocol):
             env=runner_env(self.workspace),
             tmp_size=config.tmp_size,
             readable_files=(oom_file,) if oom_file else (),
+            sharing=config.conversation_sharing,
         )
         spec = supervisor.isolation.spawn_spec(launch)
         executable, args = spec.executable, spec.args

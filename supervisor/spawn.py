@@ -26,6 +26,8 @@ class RunnerLaunch:
     tmp_size: int = 1 << 30
     #: Host files the runner reads (its cgroup's OOM counter): a sandbox binds them read-only.
     readable_files: tuple[str, ...] = ()
+    #: "owner": the owner's other conversations are visible; "private": only this one.
+    sharing: str = "owner"
 
     @property
     def runner_dir(self) -> str:

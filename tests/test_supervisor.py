@@ -407,3 +407,24 @@ def test_private_bounded_tmp_and_shm(start_supervisor, isolation):
         output, _ = bash(jon, "ls -a /tmp /dev/shm")
         assert "mine" not in output and "fill" not in output
     assert not os.path.exists("/tmp/mine") and not os.path.exists("/dev/shm/mine")
+
+
+@pytest.mark.root
+def test_private_conversation_sharing(start_supervisor):
+    """With conversation_sharing = private (bwrap), one conversation cannot see its sibling's files."""
+    supervisor = start_supervisor("bwrap", extra_args=["--conversation-sharing", "private"])
+    with open_session(supervisor, "kim", "c-1") as first, open_session(supervisor, "kim", "c-2") as second:
+        first.call_tool("write", {"path": "note.txt", "content": "first's\n"})
+        output, result = bash(second, f"cat {first.reply['workspace']}/note.txt; echo ---; ls ..")
+        assert "first's" not in output
+        assert output.split("---", 1)[1].split() == ["c-2"]
+
+
+def test_private_sharing_needs_bwrap(start_supervisor):
+    """Asking for private conversations with an isolation that cannot give them stops start-up."""
+    base = RunningSupervisor("none", extra_args=["--conversation-sharing", "private"])
+    try:
+        result = subprocess.run(base.args, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and "needs bwrap" in result.stderr
+    finally:
+        base.cleanup()
