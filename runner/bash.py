@@ -175,6 +175,9 @@ def _spawn(command, write_fd, options):
         if options.subreaper and not _state["subreaper"]:
             _become_subreaper()
             _state["subreaper"] = True
+        if options.no_userns and not _state.get("no_userns"):
+            _deny_user_namespaces()
+            _state["no_userns"] = True
         _state["calls"] += 1
         marker = f"{_runner_token}.{_state['calls']}"
         environment = _environment.copy()
@@ -206,6 +209,66 @@ def _bash_path():
             raise OSError(2, "bash was not found on the runner's PATH")
         _state["bash"] = path
     return path
+
+
+# seccomp: per architecture, (AUDIT_ARCH, seccomp, clone, unshare, clone3) numbers.
+_SECCOMP_ARCHES = {
+    "x86_64": (0xC000003E, 317, 56, 272, 435),
+    "aarch64": (0xC00000B7, 277, 220, 97, 435),
+}
+_CLONE_NEWUSER = 0x10000000
+
+
+def _deny_user_namespaces():
+    """Install a seccomp filter, on every thread, that refuses new user namespaces.
+
+    ``clone`` and ``unshare`` with CLONE_NEWUSER fail with EPERM; ``clone3``
+    (whose flags a filter cannot see) fails with ENOSYS, so libc falls back
+    to ``clone``. A user namespace would give the tenant a full capability
+    set over new namespaces, the start of many kernel exploits; bwrap denies
+    them too (--disable-userns), setpriv has no such option. Needs
+    no_new_privs, which the runner sets (isolation strategies set it anyway).
+    """
+    import ctypes
+    import errno
+    import platform
+    import struct
+
+    numbers = _SECCOMP_ARCHES.get(platform.machine())
+    if numbers is None:
+        os.write(2, b"corral runner: no seccomp filter for this architecture; "
+                    b"user namespaces are not denied\n")
+        return
+    arch, seccomp, clone, unshare, clone3 = numbers
+    allow, deny_eperm = 0x7FFF0000, 0x00050000 | errno.EPERM
+    deny_enosys = 0x00050000 | errno.ENOSYS
+    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
+    program = [
+        (ld, 0, 0, 4),                      # A = seccomp_data.arch
+        (jeq, 1, 0, arch),                  # native arch: go on
+        (ret, 0, 0, deny_eperm),            # any other ABI: refuse everything it asks
+        (ld, 0, 0, 0),                      # A = seccomp_data.nr
+        (jeq, 0, 1, clone3),
+        (ret, 0, 0, deny_enosys),
+        (jeq, 1, 0, clone),
+        (jeq, 0, 3, unshare),
+        (ld, 0, 0, 16),                     # A = low 32 bits of args[0]: the flags
+        (jset, 0, 1, _CLONE_NEWUSER),
+        (ret, 0, 0, deny_eperm),
+        (ret, 0, 0, allow),
+    ]
+    code = b"".join(struct.pack("HBBI", *instruction) for instruction in program)
+    buffer = ctypes.create_string_buffer(code)
+    fprog = struct.pack("HxxxxxxP", len(program), ctypes.addressof(buffer))
+    fprog_buffer = ctypes.create_string_buffer(fprog)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(38, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    # seccomp(SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, &prog): all threads.
+    if libc.syscall(ctypes.c_long(seccomp), ctypes.c_ulong(1), ctypes.c_ulong(1),
+                    ctypes.c_void_p(ctypes.addressof(fprog_buffer))) != 0:
+        error = ctypes.get_errno()
+        os.write(2, f"corral runner: cannot install the seccomp filter: "
+                    f"{os.strerror(error)}\n".encode())
 
 
 def _become_subreaper():

@@ -38,7 +38,7 @@ USAGE = """\
 usage: runner --workspace DIR [--bash-timeout SECONDS] [--bash-max-timeout SECONDS]
               [--max-output-lines N] [--max-output-bytes N]
               [--max-read-bytes N] [--max-edit-bytes N] [--subreaper] [--setsid]
-              [--oom-events FILE] [--memory-limit N]
+              [--oom-events FILE] [--memory-limit N] [--no-userns]
 
   --max-read-bytes N  read refuses text files larger than N bytes (default 67108864, 64 MiB)
   --max-edit-bytes N  edit refuses files larger than N bytes (default 16777216, 16 MiB)
@@ -46,6 +46,7 @@ usage: runner --workspace DIR [--bash-timeout SECONDS] [--bash-max-timeout SECON
                       (memory.events or memory.oom_control): bash says when the
                       out-of-memory killer struck during a command
   --memory-limit N    the conversation's memory limit in bytes, for that message
+  --no-userns         commands cannot create user namespaces (a seccomp filter)
 """
 
 
@@ -61,7 +62,8 @@ class Options:
     def __init__(self, workspace, bash_timeout=120.0, bash_max_timeout=3600.0,
                  max_output_lines=2000, max_output_bytes=51200,
                  max_read_bytes=64 * 1024 * 1024, max_edit_bytes=16 * 1024 * 1024,
-                 subreaper=False, setsid=False, oom_events=None, memory_limit=None):
+                 subreaper=False, setsid=False, oom_events=None, memory_limit=None,
+                 no_userns=False):
         self.workspace = workspace
         self.bash_timeout = bash_timeout
         self.bash_max_timeout = bash_max_timeout
@@ -77,6 +79,8 @@ class Options:
         self.oom_events = oom_events
         #: The conversation's memory limit in bytes, when one is known.
         self.memory_limit = memory_limit
+        #: Refuse new user namespaces to everything the tools start (seccomp).
+        self.no_userns = no_userns
 
 
 # option -> (attribute, type); every one takes a value that must be positive.
@@ -91,7 +95,7 @@ _VALUE_OPTIONS = {
     "--oom-events": ("oom_events", str),
     "--memory-limit": ("memory_limit", int),
 }
-_FLAG_OPTIONS = {"--subreaper": "subreaper", "--setsid": "setsid"}
+_FLAG_OPTIONS = {"--subreaper": "subreaper", "--setsid": "setsid", "--no-userns": "no_userns"}
 
 
 def parse_options(argv):

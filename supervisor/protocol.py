@@ -344,6 +344,7 @@ class ConversationProtocol(Protocol):
                 str(config.max_edit_bytes),
                 *oom_args,
                 "--subreaper",
+                "--no-userns",
             ),
             env=runner_env(self.workspace),
             tmp_size=config.tmp_size,
