@@ -342,11 +342,14 @@ def _show_lines(path, size, total, region, offset, limit):
         end = line_end
         shown += 1
     if shown == 0 and total:
+        following = offset + 1 if offset < total else None
         text = (f"[Line {offset} of {path} is longer than {READ_MAX_BYTES} bytes, the most read "
                 f"shows at once. Use bash: sed -n '{offset}p' {_quote(path)} | "
-                f"head -c {READ_MAX_BYTES}]")
+                f"head -c {READ_MAX_BYTES}"
+                + (f"; or use offset={following} to read on after it]" if following else "]"))
         return tool_result(text, {"path": path, "startLine": offset, "endLine": offset - 1,
-                                  "totalLines": total, "truncated": True, "nextOffset": None})
+                                  "totalLines": total, "truncated": True,
+                                  "nextOffset": following})
     try:
         content = region[:end].decode("utf-8")
     except UnicodeDecodeError:

@@ -98,6 +98,9 @@ def test_read_a_first_line_over_50_kib_suggests_sed(tmp_path):
     text = text_of(result)
     assert "yyy" not in text
     assert "sed -n '2p' big.txt | head -c 51200" in text
+    assert result["structuredContent"]["nextOffset"] == 3
+    after = read_file(str(tmp_path), "big.txt", offset=3)
+    assert text_of(after).startswith("end")
 
 
 def test_read_empty_file(tmp_path):
