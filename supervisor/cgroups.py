@@ -137,6 +137,10 @@ class ConversationCgroup:
                         _write(procs, str(process))
                     except ProcessLookupError:
                         break
+                    except FileNotFoundError:
+                        if not os.path.isdir(os.path.dirname(procs)):
+                            return len(moved)  # the conversation closed and removed it
+                        raise
                 moved.add(process)
         raise CgroupError(f"processes under {pid} kept appearing; cannot place them all")
 

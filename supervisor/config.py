@@ -214,7 +214,8 @@ KEYS: tuple[Key, ...] = (
     Key("isolation", _parse_str, lambda c: "auto",
         "Isolation strategy: auto, bwrap, setpriv, none, or a plugin's name."),
     Key("storage", _parse_str, lambda c: "local",
-        "Storage backend NAME[:ARGUMENT]: local, or a plugin's name."),
+        "Storage backend NAME[:ARGUMENT]: local, s3 (s3:s3://BUCKET/PREFIX, see "
+        "storage.md), or a plugin's name."),
     Key("audit", _parse_list,
         lambda c: ("jsonl:" + os.path.join(c["state_dir"], "audit.jsonl"),),
         "Audit sinks, comma-separated NAME[:ARGUMENT]: jsonl:/path, or a "

@@ -13,6 +13,7 @@ from supervisor.interfaces import IAuditSink, IIsolationStrategy, IStorageBacken
 #: Built-in plugins, registered before the entry-point group is loaded.
 BUILTIN_PLUGINS = (
     "plugins.storage_local",
+    "plugins.storage_s3",
     "plugins.audit_jsonl",
     "plugins.isolation_none",
     "plugins.isolation_setpriv",

@@ -13,6 +13,7 @@ import select
 import socket
 import struct
 
+import attrs
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Factory, Protocol
@@ -86,6 +87,7 @@ class ConversationProtocol(Protocol):
         # Until the runner's tree is in its cgroup, the client's bytes wait here.
         self._input_held = False
         self._held = bytearray()
+        self._adopted: Deferred = succeed(None)
 
     # -- hello ---------------------------------------------------------
 
@@ -366,9 +368,10 @@ class ConversationProtocol(Protocol):
         self.runner.ended.addCallback(self._runner_ended)
         if self.cgroup is not None:
             self._input_held = True
-            deferToThreadPool(
+            self._adopted = deferToThreadPool(
                 self.reactor, self.reactor.getThreadPool(), self.cgroup.adopt, self.runner.pid
-            ).addCallbacks(self._cgroup_joined, self._cgroup_join_failed)
+            )
+            self._adopted.addCallbacks(self._cgroup_joined, self._cgroup_join_failed)
         supervisor.auditor.emit(
             "runner_started",
             pid=self.runner.pid,
@@ -398,6 +401,8 @@ class ConversationProtocol(Protocol):
             self.resume_client()
 
     def _cgroup_join_failed(self, failure) -> None:
+        if self.state == "closed":
+            return  # the client left during the move; the close path kills everything
         self.log.failure(
             "could not move runner {pid} into its cgroup; closing connection {connection}",
             failure,
@@ -496,6 +501,9 @@ class ConversationProtocol(Protocol):
                 runner.kill()
             done = runner.ended
             if self.cgroup is not None:
+                # The move into the cgroup may still be running: let it finish
+                # before waiting for the cgroup to empty and removing it.
+                done.addCallback(lambda _: self._adopted)
                 done.addCallback(self._empty_cgroup)
             done.addCallback(self._release)
         done.addBoth(self._closed)
@@ -530,8 +538,33 @@ class ConversationProtocol(Protocol):
         )
 
     def _release(self, _):
-        return self.supervisor.storage.release_workspace(
+        """Let the storage backend persist the workspace; audit how it went."""
+        released = self.supervisor.storage.release_workspace(
             self.identity, self.hello.conversation, self.workspace
+        )
+        return released.addCallbacks(self._released, self._release_failed)
+
+    def _released(self, stats) -> None:
+        if attrs.has(type(stats)):
+            fields = {
+                name: value
+                for name, value in attrs.asdict(stats).items()
+                if isinstance(value, (bool, int, float, str))
+            }
+            self.supervisor.auditor.emit("workspace_synced", **fields, **self._audit_ids())
+
+    def _release_failed(self, failure) -> None:
+        code = getattr(failure.value, "code", None)
+        self.supervisor.auditor.emit(
+            "workspace_sync_failed",
+            code=code if isinstance(code, str) else "internal",
+            **self._audit_ids(),
+        )
+        self.log.failure(
+            "storage could not persist {owner}/{conversation}",
+            failure,
+            owner=self.hello.owner,
+            conversation=self.hello.conversation,
         )
 
     def _closed(self, result):

@@ -323,4 +323,7 @@ class CorralService(MultiService):
             os.unlink(self.config.socket)
         except OSError:
             pass
+        close_storage = getattr(self.supervisor.storage, "close", None)
+        if close_storage is not None:
+            close_storage()
         return self.supervisor.auditor.close()

@@ -1,0 +1,734 @@
+"""Workspace manifests, and the root-side file-system work of hydrate and sync.
+
+A manifest lists every entry of a conversation's workspace: regular files
+(path, size, mode, mtime_ns, SHA-256 of the content), symlinks (their
+target; never followed) and directories (so that empty ones survive). The
+object-store backend (``plugins.storage_s3``) keeps one manifest per
+conversation and the file contents as content-addressed blobs; this module
+knows nothing of the store. It is given small callables that fetch or
+upload one blob.
+
+Everything here runs as root inside a directory the tenant controls, so
+every step works relative to directory descriptors opened with
+``O_NOFOLLOW | O_DIRECTORY``; no path is ever resolved from ``/``, and a
+symlink the tenant plants is read as a link (``readlink``) or replaced, never
+followed. As root, a regular file not owned by the owner's uid (a hard link
+to someone else's file) is neither uploaded nor chowned.
+
+All functions block; callers run them in a worker thread.
+"""
+
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+import tempfile
+from concurrent.futures import Executor
+from typing import Callable, Iterable
+
+from attrs import Factory, define, frozen
+
+#: The ``format`` and ``version`` fields of every manifest this code writes.
+FORMAT = "corral-manifest"
+VERSION = 1
+STATE_VERSION = 1
+
+FILE, DIRECTORY, SYMLINK, OTHER = "file", "dir", "symlink", "other"
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_TEMP_PREFIX = ".corral-tmp-"
+_CHUNK = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+#: Spooled copies of files being uploaded stay in memory up to this size.
+SPOOL_MEMORY = 1 << 20
+
+
+class ManifestError(ValueError):
+    """A manifest that is not one this code can apply safely."""
+
+
+class BlobMismatch(Exception):
+    """A blob's content does not hash to its name: the store returned wrong bytes."""
+
+
+@frozen
+class Entry:
+    """One manifest entry: a regular file, a directory or a symlink."""
+
+    path: str
+    kind: str
+    mode: int = 0
+    size: int = 0
+    sha256: str = ""
+    mtime_ns: int = 0
+    target: str = ""
+
+    def to_json(self) -> dict:
+        """The entry as it appears in ``manifest.json``."""
+        if self.kind == FILE:
+            return {"path": self.path, "type": FILE, "size": self.size, "mode": self.mode,
+                    "mtime_ns": self.mtime_ns, "sha256": self.sha256}
+        if self.kind == DIRECTORY:
+            return {"path": self.path, "type": DIRECTORY, "mode": self.mode}
+        return {"path": self.path, "type": SYMLINK, "target": self.target}
+
+
+@frozen
+class Manifest:
+    """Every entry of one workspace, sorted by path."""
+
+    entries: tuple = ()
+
+    @classmethod
+    def of(cls, entries: Iterable[Entry]) -> "Manifest":
+        """A manifest of ``entries``, sorted."""
+        return cls(tuple(sorted(entries, key=lambda e: e.path)))
+
+    def by_path(self) -> dict:
+        """``{path: Entry}``."""
+        return {e.path: e for e in self.entries}
+
+    def hashes(self) -> set:
+        """The SHA-256 of every regular file."""
+        return {e.sha256 for e in self.entries if e.kind == FILE}
+
+    def to_json(self) -> dict:
+        """The manifest as a JSON-ready mapping (without owner and conversation)."""
+        return {"format": FORMAT, "version": VERSION,
+                "entries": [e.to_json() for e in self.entries]}
+
+    def to_bytes(self, owner: str, conversation: str) -> bytes:
+        """The bytes of ``manifest.json``."""
+        document = self.to_json()
+        document["owner"] = owner
+        document["conversation"] = conversation
+        return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+    @classmethod
+    def from_json(cls, document) -> "Manifest":
+        """Parse and check a manifest; raise ManifestError on anything unsafe or unknown."""
+        if not isinstance(document, dict) or document.get("format") != FORMAT:
+            raise ManifestError("not a corral manifest (the format field is missing or wrong)")
+        if document.get("version") != VERSION:
+            raise ManifestError(
+                f"manifest version {document.get('version')!r} is not supported; "
+                f"this corral reads version {VERSION}"
+            )
+        raw = document.get("entries")
+        if not isinstance(raw, list):
+            raise ManifestError("the manifest's entries field is not a list")
+        entries = {}
+        for item in raw:
+            entry = _entry_from_json(item)
+            if entry.path in entries:
+                raise ManifestError(f"the manifest lists {entry.path!r} twice")
+            entries[entry.path] = entry
+        for path in entries:
+            parent = path.rpartition("/")[0]
+            if parent and getattr(entries.get(parent), "kind", None) != DIRECTORY:
+                raise ManifestError(f"the manifest lists {path!r} without its directory {parent!r}")
+        return cls.of(entries.values())
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Manifest":
+        """Parse ``manifest.json`` bytes."""
+        try:
+            document = json.loads(data)
+        except ValueError as e:
+            raise ManifestError(f"the manifest is not JSON: {e}") from None
+        return cls.from_json(document)
+
+
+def _int(item: dict, name: str, high: int) -> int:
+    value = item.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= high:
+        raise ManifestError(f"manifest entry {item.get('path')!r}: bad {name} {value!r}")
+    return value
+
+
+def _entry_from_json(item) -> Entry:
+    if not isinstance(item, dict):
+        raise ManifestError("a manifest entry is not an object")
+    path = item.get("path")
+    check_relative_path(path)
+    kind = item.get("type")
+    if kind == FILE:
+        sha = item.get("sha256")
+        if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+            raise ManifestError(f"manifest entry {path!r}: bad sha256")
+        return Entry(path, FILE, mode=_int(item, "mode", 0o7777) & 0o777,
+                     size=_int(item, "size", 1 << 62), sha256=sha,
+                     mtime_ns=_int(item, "mtime_ns", 1 << 63))
+    if kind == DIRECTORY:
+        return Entry(path, DIRECTORY, mode=_int(item, "mode", 0o7777) & 0o777)
+    if kind == SYMLINK:
+        target = item.get("target")
+        if not isinstance(target, str) or not target or "\0" in target:
+            raise ManifestError(f"manifest entry {path!r}: bad symlink target")
+        return Entry(path, SYMLINK, target=target)
+    raise ManifestError(f"manifest entry {path!r}: unknown type {kind!r}")
+
+
+def check_relative_path(path) -> None:
+    """Refuse a path that is not ``name/name/...`` (no ``..``, ``.``, empty part, NUL or leading /)."""
+    if not isinstance(path, str) or not path or "\0" in path or path.startswith("/"):
+        raise ManifestError(f"manifest path {path!r} is not a relative path")
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        raise ManifestError(f"manifest path {path!r} has an empty, '.' or '..' part")
+
+
+# --- the local side -------------------------------------------------------
+
+
+@frozen
+class LocalEntry:
+    """What an ``lstat`` walk found at one path of the workspace."""
+
+    path: str
+    kind: str
+    mode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+    uid: int
+    target: str = ""
+
+
+@frozen
+class Stamp:
+    """What a regular file looked like when its hash was last known."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+    sha256: str
+
+    def matches(self, local: LocalEntry) -> bool:
+        """True when ``local`` is unchanged since (size and mtime, plus ctime and inode, which a tenant cannot set back)."""
+        return (self.size, self.mtime_ns, self.ctime_ns, self.ino) == (
+            local.size, local.mtime_ns, local.ctime_ns, local.ino)
+
+
+def _stamp(st: os.stat_result, sha256: str) -> Stamp:
+    return Stamp(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, sha256)
+
+
+@define
+class SyncState:
+    """This host's record of the last manifest it hydrated or committed for a conversation."""
+
+    etag: str | None = None
+    manifest: Manifest = Factory(Manifest)
+    stamps: dict = Factory(dict)
+    #: SHA-256 of the last manifest saved as a conflict copy (not saved twice).
+    conflict_saved: str | None = None
+
+    def to_bytes(self) -> bytes:
+        """The state file's bytes."""
+        return json.dumps({
+            "version": STATE_VERSION,
+            "etag": self.etag,
+            "manifest": self.manifest.to_json(),
+            "stamps": {p: [s.size, s.mtime_ns, s.ctime_ns, s.ino, s.sha256]
+                       for p, s in self.stamps.items()},
+            "conflict_saved": self.conflict_saved,
+        }, sort_keys=True).encode("ascii")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "SyncState":
+        """Parse a state file; a damaged or unknown one reads as no state."""
+        try:
+            document = json.loads(data)
+            if document.get("version") != STATE_VERSION:
+                return cls()
+            return cls(
+                etag=document["etag"],
+                manifest=Manifest.from_json(document["manifest"]),
+                stamps={p: Stamp(*s) for p, s in document["stamps"].items()},
+                conflict_saved=document.get("conflict_saved"),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return cls()
+
+
+def load_state(path: str) -> SyncState | None:
+    """Read the state file at ``path`` (root's own directory), or None when there is none."""
+    try:
+        with open(path, "rb") as f:
+            return SyncState.from_bytes(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def save_state(path: str, state: SyncState) -> None:
+    """Replace the state file at ``path`` atomically, mode 0600."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=".state-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(state.to_bytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+
+
+def open_workspace(parent: str, name: str) -> int:
+    """Open ``parent/name`` as a directory descriptor, refusing a symlink at ``name``."""
+    parent_fd = os.open(parent, _DIR_FLAGS)
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    finally:
+        os.close(parent_fd)
+
+
+def open_dir(root_fd: int, parts: Iterable[str]) -> int:
+    """Open the directory ``parts`` below ``root_fd``, one component at a time, never following a symlink."""
+    fd = os.dup(root_fd)
+    try:
+        for part in parts:
+            next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = next_fd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _DirCache:
+    """Open directory descriptors below a workspace, by relative path; single-threaded use."""
+
+    def __init__(self, root_fd: int):
+        self.root_fd = root_fd
+        self.fds: dict = {}
+
+    def get(self, directory: str) -> int:
+        if not directory:
+            return self.root_fd
+        fd = self.fds.get(directory)
+        if fd is None:
+            if len(self.fds) >= 64:
+                self.close()
+            parent, _, name = directory.rpartition("/")
+            fd = os.open(name, _DIR_FLAGS, dir_fd=self.get(parent))
+            self.fds[directory] = fd
+        return fd
+
+    def forget(self, directory: str) -> None:
+        for key in [k for k in self.fds if k == directory or k.startswith(directory + "/")]:
+            os.close(self.fds.pop(key))
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _split(path: str) -> tuple[str, str]:
+    parent, _, name = path.rpartition("/")
+    return parent, name
+
+
+def scan_tree(root_fd: int) -> dict:
+    """``{path: LocalEntry}`` for everything below ``root_fd``, by ``lstat``, never following a symlink."""
+    found = {}
+    stack = [("", os.dup(root_fd))]
+    while stack:
+        prefix, fd = stack.pop()
+        try:
+            with os.scandir(fd) as entries:
+                for item in entries:
+                    path = prefix + item.name
+                    try:
+                        st = item.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    mode = st.st_mode
+                    target = ""
+                    if stat.S_ISREG(mode):
+                        kind = FILE
+                    elif stat.S_ISDIR(mode):
+                        kind = DIRECTORY
+                    elif stat.S_ISLNK(mode):
+                        kind = SYMLINK
+                        try:
+                            target = os.readlink(item.name, dir_fd=fd)
+                        except OSError:
+                            continue
+                    else:
+                        kind = OTHER
+                    found[path] = LocalEntry(path, kind, stat.S_IMODE(mode) & 0o777, st.st_size,
+                                             st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                                             st.st_uid, target)
+                    if kind == DIRECTORY:
+                        try:
+                            child = os.open(item.name, _DIR_FLAGS, dir_fd=fd)
+                        except OSError:
+                            continue  # replaced by something else meanwhile
+                        stack.append((path + "/", child))
+        finally:
+            os.close(fd)
+    return found
+
+
+def _open_regular(dir_fd: int, name: str, owner_uid: int | None) -> tuple[int, os.stat_result]:
+    """Open a regular file for reading without following a symlink or blocking on a FIFO."""
+    fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", name)
+        if owner_uid is not None and st.st_uid != owner_uid:
+            raise PermissionError(errno.EPERM, "not owned by the owner", name)
+        return fd, st
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _hash_fd(fd: int, sink=None) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := os.read(fd, _CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+        if sink is not None:
+            sink.write(chunk)
+    return digest.hexdigest(), size
+
+
+def owner_uid_to_enforce(uid: int) -> int | None:
+    """The uid files must belong to before root reads or chowns them: ``uid`` as root, else None."""
+    return uid if os.geteuid() == 0 else None
+
+
+# --- sync -----------------------------------------------------------------
+
+
+@define
+class SyncPlan:
+    """What changed in a workspace since the base manifest."""
+
+    manifest: Manifest
+    stamps: dict
+    scan: dict
+    hashed: int = 0
+    skipped: int = 0
+
+    def changed(self, base: Manifest) -> bool:
+        """True when this plan's manifest differs from ``base``."""
+        return self.manifest != base
+
+
+def plan_sync(root_fd: int, state: SyncState, uid: int) -> SyncPlan:
+    """Walk the workspace and build its manifest, hashing only files whose stamp changed.
+
+    As root, regular files not owned by ``uid``, and FIFOs, sockets and
+    devices, are left out (counted in ``skipped``).
+    """
+    enforce = owner_uid_to_enforce(uid)
+    scan = scan_tree(root_fd)
+    entries, stamps = [], {}
+    hashed = skipped = 0
+    dirs = _DirCache(root_fd)
+    try:
+        for path, local in sorted(scan.items()):
+            if local.kind == DIRECTORY:
+                entries.append(Entry(path, DIRECTORY, mode=local.mode))
+            elif local.kind == SYMLINK:
+                entries.append(Entry(path, SYMLINK, target=local.target))
+            elif local.kind == FILE:
+                if enforce is not None and local.uid != enforce:
+                    skipped += 1
+                    continue
+                stamp = state.stamps.get(path)
+                if stamp is None or not stamp.matches(local):
+                    parent, name = _split(path)
+                    try:
+                        fd, st = _open_regular(dirs.get(parent), name, enforce)
+                    except OSError:
+                        skipped += 1  # gone, replaced or not the owner's meanwhile
+                        continue
+                    try:
+                        sha, size = _hash_fd(fd)
+                    finally:
+                        os.close(fd)
+                    hashed += 1
+                    stamp = _stamp(st, sha)
+                    if size != st.st_size:
+                        stamp = Stamp(size, -1, -1, -1, sha)  # changed while read: rehash next time
+                    local = LocalEntry(path, FILE, stat.S_IMODE(st.st_mode) & 0o777, size,
+                                       st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_uid)
+                stamps[path] = stamp
+                entries.append(Entry(path, FILE, mode=local.mode, size=stamp.size,
+                                     sha256=stamp.sha256, mtime_ns=local.mtime_ns))
+            else:
+                skipped += 1
+    finally:
+        dirs.close()
+    # A directory left out (never) or a skipped file never orphans an entry:
+    # every entry's parent is a directory entry because the walk found it.
+    return SyncPlan(Manifest.of(entries), stamps, scan, hashed, skipped)
+
+
+@frozen
+class Upload:
+    """One blob that went up: its hash and size as read at upload time."""
+
+    sha256: str
+    size: int
+
+
+def upload_missing(root_fd: int, plan: SyncPlan, known: set, uid: int,
+                   blob_exists: Callable[[str], bool],
+                   put_blob: Callable[[str, object, int], None],
+                   executor: Executor, spool_dir: str) -> list:
+    """Upload every blob the plan needs that the store lacks; return the Uploads.
+
+    ``known`` holds hashes the store is known to have (the base manifest's),
+    which are not even asked about. Each file is copied into a root-private
+    spool while it is hashed, and the spool is uploaded, so the bytes stored
+    under a hash are always the bytes that hash to it even if the tenant
+    rewrites the file meanwhile; when that happens the plan's entry is
+    updated to what was actually uploaded.
+    """
+    enforce = owner_uid_to_enforce(uid)
+    first_path = {}
+    for entry in plan.manifest.entries:
+        if entry.kind == FILE and entry.sha256 not in known:
+            first_path.setdefault(entry.sha256, entry.path)
+    candidates = list(first_path.items())
+    present = list(executor.map(lambda item: blob_exists(item[0]), candidates))
+    missing = [item for item, there in zip(candidates, present) if not there]
+
+    def upload(item):
+        expected, path = item
+        parent, name = _split(path)
+        dir_fd = open_dir(root_fd, parent.split("/") if parent else ())
+        try:
+            fd, _ = _open_regular(dir_fd, name, enforce)
+        finally:
+            os.close(dir_fd)
+        with tempfile.SpooledTemporaryFile(SPOOL_MEMORY, dir=spool_dir) as spool:
+            try:
+                sha, size = _hash_fd(fd, spool)
+            finally:
+                os.close(fd)
+            spool.seek(0)
+            if sha == expected or not blob_exists(sha):
+                put_blob(sha, spool, size)
+        return path, expected, Upload(sha, size)
+
+    uploads = []
+    replaced = {}
+    for path, expected, done in executor.map(upload, missing):
+        uploads.append(done)
+        if done.sha256 != expected:
+            replaced[path] = done
+    if replaced:
+        entries = [
+            Entry(e.path, FILE, mode=e.mode, size=replaced[e.path].size,
+                  sha256=replaced[e.path].sha256, mtime_ns=e.mtime_ns)
+            if e.path in replaced else e
+            for e in plan.manifest.entries
+        ]
+        plan.manifest = Manifest.of(entries)
+        for path, done in replaced.items():
+            plan.stamps[path] = Stamp(done.size, -1, -1, -1, done.sha256)
+    return uploads
+
+
+# --- hydrate --------------------------------------------------------------
+
+
+@define
+class HydrateResult:
+    """What a hydrate did: the stamps of every file, and counts for the audit."""
+
+    stamps: dict
+    downloaded: int = 0
+    bytes_downloaded: int = 0
+    removed: int = 0
+    hashed: int = 0
+
+
+def _remove(dir_fd: int, name: str) -> None:
+    """Remove ``name`` (a whole tree if it is a directory) without following symlinks."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except (IsADirectoryError, PermissionError) as e:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            raise e
+        shutil.rmtree(name, dir_fd=dir_fd)
+
+
+def _fix_owner_mode(fd: int, st: os.stat_result, uid: int, gid: int, mode: int | None) -> None:
+    if os.geteuid() == 0 and (st.st_uid, st.st_gid) != (uid, gid):
+        os.fchown(fd, uid, gid)
+    if mode is not None and stat.S_IMODE(st.st_mode) != mode:
+        os.fchmod(fd, mode)
+
+
+def hydrate(root_fd: int, manifest: Manifest, stamps: dict, uid: int, gid: int,
+            fetch_blob: Callable[[str, object], None], executor: Executor,
+            scan: dict | None = None) -> HydrateResult:
+    """Make the workspace at ``root_fd`` match ``manifest``.
+
+    Downloads only files that are missing or differ (a stamp from the last
+    hydrate or sync saves hashing an unchanged file), writes each into a
+    temporary file in its directory and renames it into place, sets modes,
+    mtimes and ownership, creates directories and symlinks, and removes
+    everything the manifest does not list. ``fetch_blob(sha256, fileobj)``
+    writes one blob's bytes. ``scan`` is a fresh ``scan_tree`` of the
+    workspace, when the caller has one.
+    """
+    enforce = owner_uid_to_enforce(uid)
+    local = scan_tree(root_fd) if scan is None else scan
+    wanted = manifest.by_path()
+    result = HydrateResult(stamps={})
+    dirs = _DirCache(root_fd)
+    downloads = []
+    try:
+        # Extras first, children before parents (a path sorts after its prefix).
+        for path in sorted((p for p in local if p not in wanted), reverse=True):
+            parent, name = _split(path)
+            try:
+                _remove(dirs.get(parent), name)
+            except FileNotFoundError:
+                pass
+            dirs.forget(path)
+            result.removed += 1
+        for entry in manifest.entries:
+            have = local.get(entry.path)
+            parent, name = _split(entry.path)
+            parent_fd = dirs.get(parent)
+            if have is not None and have.kind != entry.kind:
+                _remove(parent_fd, name)
+                dirs.forget(entry.path)
+                have = None
+            if entry.kind == DIRECTORY:
+                if have is None:
+                    os.mkdir(name, 0o700, dir_fd=parent_fd)
+                fd = dirs.get(entry.path)
+                _fix_owner_mode(fd, os.fstat(fd), uid, gid, entry.mode)
+            elif entry.kind == SYMLINK:
+                if have is None or have.target != entry.target:
+                    temp = _TEMP_PREFIX + secrets.token_hex(8)
+                    os.symlink(entry.target, temp, dir_fd=parent_fd)
+                    os.rename(temp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                    have = None
+                if os.geteuid() == 0 and (have is None or have.uid != uid):
+                    os.chown(name, uid, gid, dir_fd=parent_fd, follow_symlinks=False)
+            elif not _keep_file(parent_fd, name, entry, have, stamps, enforce, uid, gid, result):
+                downloads.append(entry)
+    finally:
+        dirs.close()
+
+    def download(entry: Entry):
+        parent, name = _split(entry.path)
+        dir_fd = open_dir(root_fd, parent.split("/") if parent else ())
+        try:
+            return entry.path, _download(dir_fd, name, entry, uid, gid, fetch_blob)
+        finally:
+            os.close(dir_fd)
+
+    for path, stamp in executor.map(download, downloads):
+        result.stamps[path] = stamp
+        result.downloaded += 1
+        result.bytes_downloaded += stamp.size
+    return result
+
+
+def _keep_file(parent_fd, name, entry, have, stamps, enforce, uid, gid, result) -> bool:
+    """True (and the file's owner, mode and mtime fixed) when the local file has the entry's content."""
+    if have is None or have.size != entry.size:
+        return False
+    if enforce is not None and have.uid != enforce:
+        return False  # someone else's file (a hard link): replace it, never chown it
+    try:
+        fd, st = _open_regular(parent_fd, name, enforce)
+    except OSError:
+        return False
+    try:
+        stamp = stamps.get(entry.path)
+        if stamp is None or stamp.sha256 != entry.sha256 or not stamp.matches(have) \
+                or st.st_ino != have.ino:
+            sha, _ = _hash_fd(fd)
+            result.hashed += 1
+            if sha != entry.sha256:
+                return False
+        _fix_owner_mode(fd, st, uid, gid, entry.mode)
+        if st.st_mtime_ns != entry.mtime_ns:
+            os.utime(fd, ns=(entry.mtime_ns, entry.mtime_ns))
+        result.stamps[entry.path] = _stamp(os.fstat(fd), entry.sha256)
+        return True
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A file-like sink that writes to a descriptor and hashes what passes."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.digest.update(view)
+        self.size += len(view)
+        while view:
+            written = os.write(self.fd, view)
+            view = view[written:]
+        return len(data)
+
+
+def _download(dir_fd: int, name: str, entry: Entry, uid: int, gid: int, fetch_blob) -> Stamp:
+    temp = _TEMP_PREFIX + secrets.token_hex(8)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            writer = _HashingWriter(fd)
+            fetch_blob(entry.sha256, writer)
+            if writer.digest.hexdigest() != entry.sha256 or writer.size != entry.size:
+                raise BlobMismatch(
+                    f"blob {entry.sha256} for {entry.path!r} came back with different "
+                    "content; the object store's copy is damaged"
+                )
+            if os.geteuid() == 0:
+                os.fchown(fd, uid, gid)
+            os.fchmod(fd, entry.mode)
+            os.utime(fd, ns=(entry.mtime_ns, entry.mtime_ns))
+            ino = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(temp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if st.st_ino != ino:
+        return Stamp(entry.size, -1, -1, -1, entry.sha256)  # replaced meanwhile: rehash next time
+    return _stamp(st, entry.sha256)
