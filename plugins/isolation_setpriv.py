@@ -7,7 +7,8 @@ shows only the conversation's processes; ``setpriv`` then drops to the
 owner's uid and gid with no supplementary groups, an empty capability
 bounding set and ``no_new_privs``, and sets the parent-death signal after
 the drop (a uid change clears it). Between the two, a shell mounts a
-private, size-capped tmpfs on ``/tmp`` and ``/dev/shm`` in the new mount
+private, size-capped tmpfs on ``/tmp``, ``/var/tmp``, ``/dev/shm`` and
+``/run/lock`` (the host's world-writable directories) in the new mount
 namespace. The runner is the init of its pid namespace: when it dies, the
 kernel kills everything it left behind. It starts its own session.
 """
@@ -22,13 +23,18 @@ from supervisor.interfaces import IIsolationStrategy
 from supervisor.spawn import SpawnSpec
 
 
-#: Directories each conversation gets a private tmpfs on.
-PRIVATE_DIRS = ("/tmp", "/dev/shm")
+#: The host's world-writable directories: each conversation gets a private
+#: tmpfs on every one that exists, so none is a channel between tenants.
+#: /tmp and /dev/shm get the conversation's tmp size; the others a little.
+PRIVATE_DIRS = ("/tmp", "/dev/shm", "/var/tmp", "/run/lock")
+SMALL_TMPFS = 16 << 20
 
 _PRIVATE_TMP = (
-    'size="$1"; shift; '
-    "for dir in /tmp /dev/shm; do "
-    'mount -t tmpfs -o "size=$size,mode=1777,nosuid,nodev" corral-tmp "$dir" || exit 125; '
+    'size="$1"; small="$2"; shift 2; '
+    "for dir in " + " ".join(PRIVATE_DIRS) + "; do "
+    '[ -d "$dir" ] || continue; '
+    'case "$dir" in /tmp|/dev/shm) s="$size";; *) s="$small";; esac; '
+    'mount -t tmpfs -o "size=$s,mode=1777,nosuid,nodev" corral-tmp "$dir" || exit 125; '
     "done; "
     # The shell exports a PWD of its own; the runner's environment is ours alone.
     'unset PWD OLDPWD; exec "$@"'
@@ -94,6 +100,7 @@ class SetprivIsolation:
             _PRIVATE_TMP,
             "corral-tmp",
             str(launch.tmp_size),
+            str(SMALL_TMPFS),
             *setpriv_drop(self.setpriv, launch.uid, launch.gid),
             *launch.runner_command(),
             "--setsid",

@@ -254,7 +254,8 @@ KEYS: tuple[Key, ...] = (
         "Largest file the edit tool changes."),
     Key("tmp_size", _parse_size_required, lambda c: 1 << 30,
         "Size of each conversation's private /tmp and of its /dev/shm (tmpfs; "
-        "their pages also count towards memory_limit)."),
+        "their pages count towards memory_limit, so each is capped at a quarter "
+        "of it)."),
     Key("cgroups", _parse_choice("auto", "v2", "v1", "off"), lambda c: "auto",
         "Per-conversation cgroups: auto (v2 with memory and pids controllers, "
         "else v1), v2, v1, or off."),

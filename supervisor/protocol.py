@@ -38,6 +38,20 @@ _connection_ids = itertools.count(1)
 HANGUP_CHECK_SECONDS = 1.0
 
 
+def tmpfs_size(tmp_size: int, limits: dict, limited: bool) -> int:
+    """The size of a conversation's /tmp and /dev/shm: tmp_size, at most a quarter of its memory.
+
+    tmpfs pages count towards the memory limit, and the OOM killer cannot
+    free them: a tmpfs as large as the limit would let one ``cat`` into
+    /dev/shm get the runner killed. Capped, both together fill at half the
+    limit and the writer gets "no space left", an error it can report.
+    """
+    memory = limits.get("memory_limit")
+    if limited and memory is not None:
+        return max(1 << 20, min(tmp_size, memory // 4))
+    return tmp_size
+
+
 def count_conversations(owner_directory: str) -> int:
     """How many conversation directories an owner has (blocking: run it in a thread)."""
     with os.scandir(owner_directory) as entries:
@@ -349,7 +363,7 @@ class ConversationProtocol(Protocol):
                 "--no-userns",
             ),
             env=runner_env(self.workspace),
-            tmp_size=config.tmp_size,
+            tmp_size=tmpfs_size(config.tmp_size, limits, self.cgroup is not None),
             readable_files=(oom_file,) if oom_file else (),
             sharing=config.conversation_sharing,
         )

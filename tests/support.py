@@ -14,13 +14,17 @@ CORRAL = [sys.executable, "-m", "supervisor"]
 IS_ROOT = os.geteuid() == 0
 
 
-def traversable_tempdir(prefix: str) -> str:
-    """A temporary directory every uid can traverse (pytest's tmp_path is 0700).
+#: Where test supervisors keep their state: not under /tmp or /var/tmp,
+#: which setpriv isolation replaces with a private tmpfs per conversation.
+TEST_ROOT = "/var/lib/corral-tests" if IS_ROOT else os.path.join(
+    os.path.expanduser("~"), ".cache", "corral-tests")
 
-    Under /var/tmp, not /tmp: setpriv isolation gives each conversation a
-    private /tmp, which would hide a state directory kept there.
-    """
-    path = tempfile.mkdtemp(prefix=prefix, dir="/var/tmp")
+
+def traversable_tempdir(prefix: str) -> str:
+    """A temporary directory every uid can traverse (pytest's tmp_path is 0700)."""
+    os.makedirs(TEST_ROOT, exist_ok=True)
+    os.chmod(TEST_ROOT, 0o711)
+    path = tempfile.mkdtemp(prefix=prefix, dir=TEST_ROOT)
     os.chmod(path, 0o711)
     return path
 
