@@ -35,7 +35,9 @@ def main() -> None:
     results = {}
     floor = idle_python_uss()
     for isolation in isolations():
-        supervisor = RunningSupervisor(isolation).start()
+        supervisor = RunningSupervisor(
+            isolation, extra_args=["--max-connections-per-owner", "200"]
+        ).start()
         sessions = []
         try:
             pid = supervisor.process.pid

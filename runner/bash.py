@@ -35,6 +35,15 @@ POLL_SECONDS = 0.05
 _READ_SIZE = 64 * 1024
 _PR_SET_CHILD_SUBREAPER = 36
 
+# Commands run with a raised oom_score_adj, so that when a conversation
+# runs out of memory the OOM killer picks a command's process, not the
+# runner (often the largest process of a conversation), which then lives to
+# report it as a tool error. Raising one's own score needs no privilege
+# (lowering the runner's would need CAP_SYS_RESOURCE), and a bash builtin
+# costs no exec. On a host-wide shortage tenants' commands also go first.
+COMMAND_OOM_SCORE_ADJ = 500
+_OOM_RESET = f"echo {COMMAND_OOM_SCORE_ADJ} 2>/dev/null >/proc/self/oom_score_adj; "
+
 _lock = threading.Lock()
 _jobs = {}
 # The runner never changes its environment, so it is decoded from os.environ once.
@@ -183,7 +192,7 @@ def _spawn(command, write_fd, options):
         environment = _environment.copy()
         environment[MARKER_VARIABLE] = marker
         pid = os.posix_spawn(
-            _bash_path(), ["bash", "-c", command], environment,
+            _bash_path(), ["bash", "-c", _OOM_RESET + command], environment,
             file_actions=[(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
                           (os.POSIX_SPAWN_DUP2, write_fd, 1),
                           (os.POSIX_SPAWN_DUP2, write_fd, 2)],
@@ -242,12 +251,14 @@ def _deny_user_namespaces():
     arch, seccomp, clone, unshare, clone3 = numbers
     allow, deny_eperm = 0x7FFF0000, 0x00050000 | errno.EPERM
     deny_enosys = 0x00050000 | errno.ENOSYS
-    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     program = [
         (ld, 0, 0, 4),                      # A = seccomp_data.arch
         (jeq, 1, 0, arch),                  # native arch: go on
         (ret, 0, 0, deny_eperm),            # any other ABI: refuse everything it asks
         (ld, 0, 0, 0),                      # A = seccomp_data.nr
+        (jge, 0, 1, 0x40000000),            # x32 numbers on x86_64: refuse
+        (ret, 0, 0, deny_eperm),
         (jeq, 0, 1, clone3),
         (ret, 0, 0, deny_enosys),
         (jeq, 1, 0, clone),

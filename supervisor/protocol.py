@@ -513,12 +513,16 @@ class ConversationProtocol(Protocol):
             if self.cgroup is None or self._input_held:
                 # Not (yet) all in the cgroup: kill the process tree itself.
                 runner.kill()
-            done = runner.ended
             if self.cgroup is not None:
-                # The move into the cgroup may still be running: let it finish
-                # before waiting for the cgroup to empty and removing it.
-                done.addCallback(lambda _: self._adopted)
+                # The move into the cgroup may still be running: let it finish,
+                # then kill until the cgroup is empty. Only then wait for the
+                # runner's pipes: a process that escaped the first kill (one
+                # moved in after it) could hold them open forever.
+                done = self._adopted
                 done.addCallback(self._empty_cgroup)
+                done.addCallback(lambda _: runner.ended)
+            else:
+                done = runner.ended
             done.addCallback(self._release)
         done.addBoth(self._closed)
 
