@@ -105,7 +105,8 @@ def run_bash(command, timeout, call):
     finally:
         os.close(write_fd)
     output = _Output(options.max_output_lines, options.max_output_bytes,
-                     os.path.join(options.workspace, ".corral", "output"), call.progress)
+                     os.path.join(options.workspace, ".corral", "output"), call.progress,
+                     options.max_spill_bytes)
     oom_before = _oom_kills(options)
     call.set_cancel_hook(lambda: job.kill("cancel"))
     _watchdog.watch(job, started + timeout)
@@ -462,9 +463,12 @@ class _Output:
     the whole output so far can be written to the spill file.
     """
 
-    def __init__(self, max_lines, max_bytes, spill_directory, progress):
+    def __init__(self, max_lines, max_bytes, spill_directory, progress,
+                 max_spill_bytes=256 * 1024 * 1024):
         self.max_lines = max_lines
         self.max_bytes = max_bytes
+        self.max_spill_bytes = max_spill_bytes
+        self._spilled = 0
         self.spill_directory = spill_directory
         self.progress = progress
         self.tail = bytearray()
@@ -513,13 +517,20 @@ class _Output:
         self._write_spill(bytes(self.tail))
 
     def _write_spill(self, data):
-        """Append data to the spill file; on failure, note why and stop writing."""
+        """Append data to the spill file; on failure or past the cap, note why and stop writing."""
+        room = self.max_spill_bytes - self._spilled
+        if len(data) > room:
+            data = data[:max(0, room)]
+            self.spill_error = (f"the file {self.spill_path} holds only the first "
+                                f"{self.max_spill_bytes} bytes (--max-spill-bytes)")
+        self._spilled += len(data)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(self._spill_fd, view):]
         except OSError as error:
             self.spill_error = f"{error.strerror} (the file {self.spill_path} is incomplete)"
+        if self.spill_error:
             os.close(self._spill_fd)
             self._spill_fd = None
 

@@ -39,6 +39,7 @@ usage: runner --workspace DIR [--bash-timeout SECONDS] [--bash-max-timeout SECON
               [--max-output-lines N] [--max-output-bytes N]
               [--max-read-bytes N] [--max-edit-bytes N] [--subreaper] [--setsid]
               [--oom-events FILE] [--memory-limit N] [--no-userns]
+              [--max-spill-bytes N]
 
   --max-read-bytes N  read refuses text files larger than N bytes (default 67108864, 64 MiB)
   --max-edit-bytes N  edit refuses files larger than N bytes (default 16777216, 16 MiB)
@@ -47,6 +48,8 @@ usage: runner --workspace DIR [--bash-timeout SECONDS] [--bash-max-timeout SECON
                       out-of-memory killer struck during a command
   --memory-limit N    the conversation's memory limit in bytes, for that message
   --no-userns         commands cannot create user namespaces (a seccomp filter)
+  --max-spill-bytes N bash saves at most N bytes of a long output to its file
+                      (default 268435456, 256 MiB)
 """
 
 
@@ -63,7 +66,7 @@ class Options:
                  max_output_lines=2000, max_output_bytes=51200,
                  max_read_bytes=64 * 1024 * 1024, max_edit_bytes=16 * 1024 * 1024,
                  subreaper=False, setsid=False, oom_events=None, memory_limit=None,
-                 no_userns=False):
+                 no_userns=False, max_spill_bytes=256 * 1024 * 1024):
         self.workspace = workspace
         self.bash_timeout = bash_timeout
         self.bash_max_timeout = bash_max_timeout
@@ -81,6 +84,8 @@ class Options:
         self.memory_limit = memory_limit
         #: Refuse new user namespaces to everything the tools start (seccomp).
         self.no_userns = no_userns
+        #: bash saves at most this many bytes of a long output to its file.
+        self.max_spill_bytes = max_spill_bytes
 
 
 # option -> (attribute, type); every one takes a value that must be positive.
@@ -94,6 +99,7 @@ _VALUE_OPTIONS = {
     "--max-edit-bytes": ("max_edit_bytes", int),
     "--oom-events": ("oom_events", str),
     "--memory-limit": ("memory_limit", int),
+    "--max-spill-bytes": ("max_spill_bytes", int),
 }
 _FLAG_OPTIONS = {"--subreaper": "subreaper", "--setsid": "setsid", "--no-userns": "no_userns"}
 

@@ -252,6 +252,9 @@ KEYS: tuple[Key, ...] = (
         "files are refused with advice to use bash)."),
     Key("max_edit_bytes", _parse_size_required, lambda c: 16 << 20,
         "Largest file the edit tool changes."),
+    Key("max_output_file_bytes", _parse_size_required, lambda c: 256 << 20,
+        "Most of a long bash output saved to its file in the workspace (the "
+        "result shows the last 50 KiB)."),
     Key("tmp_size", _parse_size_required, lambda c: 1 << 30,
         "Size of each conversation's private /tmp and of its /dev/shm (tmpfs; "
         "their pages count towards memory_limit, so each is capped at a quarter "
@@ -307,6 +310,7 @@ class Config:
     stop_timeout: float
     max_read_bytes: int
     max_edit_bytes: int
+    max_output_file_bytes: int
     tmp_size: int
     cgroups: str
     cgroup_root: str | None

@@ -358,6 +358,8 @@ class ConversationProtocol(Protocol):
                 str(config.max_read_bytes),
                 "--max-edit-bytes",
                 str(config.max_edit_bytes),
+                "--max-spill-bytes",
+                str(config.max_output_file_bytes),
                 *oom_args,
                 "--subreaper",
                 "--no-userns",

@@ -1,5 +1,7 @@
 """``corral serve``: run the supervisor in the foreground until SIGTERM or SIGINT."""
 
+import signal
+
 from twisted.logger import Logger
 
 log = Logger()
@@ -8,8 +10,8 @@ log = Logger()
 def run_serve(config) -> int:
     """Start logging, build the service, run the reactor; return the exit status.
 
-    Raises ConfigError for a configuration that cannot start. The reactor's
-    own SIGTERM/SIGINT handlers stop it; the service's ``stopService`` runs
+    Raises ConfigError for a configuration that cannot start. SIGTERM,
+    SIGINT and SIGHUP stop the reactor; the service's ``stopService`` runs
     as a before-shutdown trigger, so the reactor exits only once every
     runner is gone.
     """
@@ -36,5 +38,8 @@ def run_serve(config) -> int:
         reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
 
     reactor.callWhenRunning(start)
+    # SIGHUP (a closed terminal, a careless `kill -HUP`) stops cleanly too:
+    # by default it would kill the supervisor without stopping its runners.
+    signal.signal(signal.SIGHUP, lambda signum, frame: reactor.callFromThread(reactor.stop))
     reactor.run()
     return status["code"]

@@ -204,3 +204,16 @@ def test_only_the_socket_group_can_connect(start_supervisor):
     )
     assert outsider.stdout.strip() == "refused", outsider.stderr
     assert member.stdout.strip() == "connected", member.stderr
+
+
+def test_sighup_stops_cleanly(start_supervisor):
+    """SIGHUP (a closed terminal) stops the supervisor like SIGTERM: exit 0, socket removed."""
+    import signal as signals
+
+    supervisor = start_supervisor("none")
+    with Session.connect(supervisor.socket, "ann", "c-1") as session:
+        session.initialize()
+        supervisor.process.send_signal(signals.SIGHUP)
+        assert supervisor.process.wait(20) == 0
+    assert not os.path.exists(supervisor.socket)
+    assert [e for e in supervisor.audit_events() if e["event"] == "connection_closed"]

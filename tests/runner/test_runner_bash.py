@@ -360,3 +360,13 @@ def yes_processes():
         if name == "yes" and state not in "ZX":
             found.append(int(entry))
     return found
+
+
+def test_full_output_file_is_capped(start_runner):
+    """A flood's full-output file stops at --max-spill-bytes, and the result says so."""
+    runner = start_runner("--max-spill-bytes", "1048576")
+    result = runner.call_tool("bash", {"command": "head -c 5000000 /dev/zero | tr '\\0' 'a' | fold -w 99"})
+    text = result["content"][0]["text"]
+    assert "holds only the first 1048576 bytes" in text
+    spilled = [p for p in (runner.workspace / ".corral" / "output").iterdir()]
+    assert len(spilled) == 1 and spilled[0].stat().st_size == 1048576
