@@ -13,15 +13,11 @@ Target: p50 at most 1.3x the floor.
 """
 
 import json
-import os
 import subprocess
 import sys
 
-from bench.common import RunningSupervisor, isolations, record, summary, timed
+from bench.common import RunningSupervisor, isolated_floor_spec, isolations, record, summary, timed
 from supervisor.client import Session
-from supervisor.config import load_config
-from supervisor.plugins import PluginRegistry
-from supervisor.spawn import RunnerLaunch, runner_env
 
 FLOOR_SCRIPT = """\
 import json, subprocess, sys, time
@@ -37,21 +33,9 @@ print(json.dumps(samples))
 
 def floor_samples(supervisor, isolation: str, reply: dict, count: int) -> list[float]:
     """Durations (ms) of ``bash -c true`` run by a Python process inside the same isolation."""
-    directory = os.path.join(supervisor.state_dir, "bench-floor")
-    os.makedirs(directory, exist_ok=True)
-    os.chmod(directory, 0o755)
-    script = os.path.join(directory, "bash_floor.py")
-    with open(script, "w") as f:
-        f.write(FLOOR_SCRIPT)
-    os.chmod(script, 0o644)
-    config = load_config(environ={"CORRAL_STATE_DIR": supervisor.state_dir})
-    strategy = PluginRegistry().build("isolation", isolation, config)
-    launch = RunnerLaunch(
-        owner=reply["owner"], conversation=reply["conversation"], uid=reply["uid"],
-        gid=reply["uid"], workspace=reply["workspace"], python=config.runner_python,
-        runner_script=script, runner_args=(str(count),), env=runner_env(reply["workspace"]),
+    spec = isolated_floor_spec(
+        supervisor, isolation, reply, "bash_floor.py", FLOOR_SCRIPT, (str(count),)
     )
-    spec = strategy.spawn_spec(launch)
     output = subprocess.run(
         list(spec.args), executable=spec.executable, env=spec.env, cwd=reply["workspace"],
         stdout=subprocess.PIPE, check=True,
@@ -63,7 +47,9 @@ def main() -> None:
     count = int(sys.argv[sys.argv.index("--count") + 1]) if "--count" in sys.argv else 1000
     results = {}
     for isolation in isolations():
-        supervisor = RunningSupervisor(isolation).start()
+        # Cgroups off: their cost (the memory controller's accounting of every
+        # fork and exec) is measured on its own by bench_cgroups.
+        supervisor = RunningSupervisor(isolation, extra_args=["--cgroups", "off"]).start()
         try:
             with Session.connect(supervisor.socket, "bench", "bash") as session:
                 session.initialize()

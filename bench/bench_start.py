@@ -10,15 +10,11 @@ the floor.
 """
 
 import json
-import os
 import subprocess
 import sys
 
-from bench.common import RunningSupervisor, isolations, record, summary, timed
+from bench.common import RunningSupervisor, isolated_floor_spec, isolations, record, summary, timed
 from supervisor.client import Session
-from supervisor.config import load_config
-from supervisor.plugins import PluginRegistry
-from supervisor.spawn import RunnerLaunch, runner_env
 
 FLOOR_SCRIPT = """\
 import json, sys
@@ -38,22 +34,9 @@ def _count() -> int:
 
 def floor_launcher(supervisor, isolation: str, reply: dict):
     """A function that starts the floor program under ``isolation`` and waits for its ping answer."""
-    directory = os.path.join(supervisor.state_dir, "bench-floor")
-    os.makedirs(directory, exist_ok=True)
-    os.chmod(directory, 0o755)
-    script = os.path.join(directory, "floor.py")
-    with open(script, "w") as f:
-        f.write(FLOOR_SCRIPT)
-    os.chmod(script, 0o644)
-    config = load_config(environ={"CORRAL_STATE_DIR": supervisor.state_dir})
-    strategy = PluginRegistry().build("isolation", isolation, config)
-    launch = RunnerLaunch(
-        owner=reply["owner"], conversation=reply["conversation"], uid=reply["uid"],
-        gid=reply["uid"], workspace=reply["workspace"], python=config.runner_python,
-        runner_script=script, runner_args=("--workspace", reply["workspace"]),
-        env=runner_env(reply["workspace"]),
+    spec = isolated_floor_spec(
+        supervisor, isolation, reply, "floor.py", FLOOR_SCRIPT, ("--workspace", reply["workspace"])
     )
-    spec = strategy.spawn_spec(launch)
 
     def start():
         process = subprocess.Popen(

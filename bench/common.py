@@ -87,3 +87,31 @@ def record(name: str, result: dict) -> dict:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
     return result
+
+
+def isolated_floor_spec(supervisor, isolation: str, reply: dict, name: str, source: str,
+                        args: tuple[str, ...]):
+    """The SpawnSpec that runs the script ``source`` under ``isolation`` as a runner would be.
+
+    Same uid, namespaces, sandbox, environment and working directory as the
+    conversation in ``reply``: the floors of the start and bash benchmarks.
+    """
+    from supervisor.config import load_config
+    from supervisor.plugins import PluginRegistry
+    from supervisor.spawn import RunnerLaunch, runner_env
+
+    directory = os.path.join(supervisor.state_dir, "bench-floor")
+    os.makedirs(directory, exist_ok=True)
+    os.chmod(directory, 0o755)
+    script = os.path.join(directory, name)
+    with open(script, "w") as f:
+        f.write(source)
+    os.chmod(script, 0o644)
+    config = load_config(environ={"CORRAL_STATE_DIR": supervisor.state_dir})
+    strategy = PluginRegistry().build("isolation", isolation, config)
+    launch = RunnerLaunch(
+        owner=reply["owner"], conversation=reply["conversation"], uid=reply["uid"],
+        gid=reply["uid"], workspace=reply["workspace"], python=config.runner_python,
+        runner_script=script, runner_args=args, env=runner_env(reply["workspace"]),
+    )
+    return strategy.spawn_spec(launch)

@@ -135,13 +135,16 @@ class _Watchdog:
 
     The reading loop checks the deadline too, but it can be stuck for as
     long as a progress notification waits for a client that does not read;
-    the timeout must hold regardless.
+    the timeout must hold regardless. The thread is woken only when a new
+    deadline comes before the one it already waits for, so back-to-back
+    calls cost no thread switch.
     """
 
     def __init__(self):
         self._condition = threading.Condition()
         self._deadlines = {}
         self._thread = None
+        self._wake_at = None  # when the thread wakes next; None: only when notified
 
     def watch(self, job, deadline):
         """Kill ``job`` with cause "timeout" at ``deadline`` (time.monotonic) unless forgotten."""
@@ -150,7 +153,8 @@ class _Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True)
                 self._thread.start()
-            self._condition.notify()
+            elif self._wake_at is None or deadline < self._wake_at:
+                self._condition.notify()
 
     def forget(self, job):
         """``job`` is done: no kill."""
@@ -172,8 +176,8 @@ class _Watchdog:
                     finally:
                         self._condition.acquire()
                     continue
-                nearest = min(self._deadlines.values(), default=None)
-                self._condition.wait(None if nearest is None else nearest - now)
+                self._wake_at = min(self._deadlines.values(), default=None)
+                self._condition.wait(None if self._wake_at is None else self._wake_at - now)
 
 
 _watchdog = _Watchdog()
