@@ -127,13 +127,21 @@ def test_symlink_swaps_never_redirect_roots_mkdir_or_chown(supervisor):
             thread.join(60)
         with open(os.path.join(owner_dir, "stop"), "w"):
             pass
+        def swap_count():
+            try:
+                with open(os.path.join(owner_dir, "swaps")) as f:
+                    return f.read().strip()
+            except FileNotFoundError:
+                return ""
+
         try:
-            wait_until(lambda: os.path.exists(os.path.join(owner_dir, "swaps")), timeout=10)
+            # The swapper writes its count with a plain redirection: wait for
+            # the number, not just the file.
+            swaps_text = wait_until(swap_count, timeout=10)
         except AssertionError:
             with open(os.path.join(attacker.reply["workspace"], "swapper.log")) as f:
                 raise AssertionError(f"the swapper failed: {f.read()}") from None
-        with open(os.path.join(owner_dir, "swaps")) as f:
-            swaps = int(f.read())
+        swaps = int(swaps_text)
     assert swaps > 1000, f"the tenant swapped only {swaps} times"
     assert sum(outcomes.values()) >= 40, outcomes
     assert set(outcomes) <= {"ok", "unavailable"}, outcomes
