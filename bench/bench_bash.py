@@ -16,7 +16,7 @@ import json
 import subprocess
 import sys
 
-from bench.common import RunningSupervisor, isolated_floor_spec, isolations, record, summary, timed
+from bench.common import RunningSupervisor, compare, isolated_floor_spec, isolations, record, timed
 from supervisor.client import Session
 
 FLOOR_SCRIPT = """\
@@ -63,14 +63,7 @@ def main() -> None:
                 for _ in range(5):
                     ours += timed(call, count // 5)
                     base += floor_samples(supervisor, isolation, session.reply, count // 5)[5:]
-            ours_summary, floor_summary = summary(ours), summary(base)
-            results[isolation] = {
-                "corral": ours_summary,
-                "floor": floor_summary,
-                "ratio_p50": round(ours_summary["p50_ms"] / floor_summary["p50_ms"], 3),
-                "ratio_p90": round(ours_summary["p90_ms"] / floor_summary["p90_ms"], 3),
-                "target_ratio_p50": 1.3,
-            }
+            results[isolation] = compare(ours, base, 1.3)
         finally:
             supervisor.cleanup()
     record("bash", {"results": results})

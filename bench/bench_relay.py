@@ -17,39 +17,14 @@ every 50 ms. Target: at most 16 MiB.
     .venv/bin/python -m bench.bench_relay [--gib N]
 """
 
-import json
-import socket
 import subprocess
 import sys
 import time
 
 from bench.common import RunningSupervisor, record, rss_kib
+from tests.support import connect_raw, read_all
 
 GIB = 1 << 30
-
-
-def connect(path: str) -> socket.socket:
-    """Connect and read the reply; return the socket positioned at the runner's bytes."""
-    sock = socket.socket(socket.AF_UNIX)
-    sock.connect(path)
-    sock.sendall(b'{"corral": 1, "owner": "bench", "conversation": "relay"}\n')
-    reply = b""
-    while not reply.endswith(b"\n"):
-        reply += sock.recv(1)
-    assert json.loads(reply)["ok"], reply
-    return sock
-
-
-def read_all(sock: socket.socket) -> int:
-    """Read until EOF; return the byte count."""
-    buffer = bytearray(1 << 20)
-    view = memoryview(buffer)
-    total = 0
-    while True:
-        n = sock.recv_into(view)
-        if not n:
-            return total
-        total += n
 
 
 def floor(size: int) -> float:
@@ -71,7 +46,7 @@ def main() -> None:
         rounds = []
         for _ in range(5):
             base = floor(size)
-            sock = connect(supervisor.socket)
+            sock = connect_raw(supervisor.socket, "bench", "relay")
             start = time.perf_counter()
             received = read_all(sock)
             ours = time.perf_counter() - start
@@ -82,7 +57,7 @@ def main() -> None:
         floor_best = max(r["floor_gbps"] for r in rounds)
         pid = supervisor.process.pid
         before = rss_kib(pid)
-        sock = connect(supervisor.socket)
+        sock = connect_raw(supervisor.socket, "bench", "relay")
         peak = before
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:

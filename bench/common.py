@@ -11,7 +11,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from supervisor import proctree  # noqa: E402
-from tests.support import RunningSupervisor  # noqa: E402,F401
+from tests.support import RunningSupervisor, rss_kib  # noqa: E402,F401
 
 RESULTS_DIR = os.path.join(REPO, "bench", "results")
 
@@ -41,15 +41,6 @@ def summary(samples: list[float]) -> dict:
         "mean_ms": round(statistics.fmean(samples), 3),
         "n": len(samples),
     }
-
-
-def rss_kib(pid: int) -> int:
-    """Resident set size of ``pid`` in KiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise ValueError(f"no VmRSS for {pid}")
 
 
 def uss_kib(pid: int) -> int:
@@ -115,3 +106,15 @@ def isolated_floor_spec(supervisor, isolation: str, reply: dict, name: str, sour
         runner_script=script, runner_args=args, env=runner_env(reply["workspace"]),
     )
     return strategy.spawn_spec(launch)
+
+
+def compare(ours: list[float], floor: list[float], target: float) -> dict:
+    """corral's samples against the floor's: both summaries, p50 and p90 ratios, the target."""
+    ours_summary, floor_summary = summary(ours), summary(floor)
+    return {
+        "corral": ours_summary,
+        "floor": floor_summary,
+        "ratio_p50": round(ours_summary["p50_ms"] / floor_summary["p50_ms"], 3),
+        "ratio_p90": round(ours_summary["p90_ms"] / floor_summary["p90_ms"], 3),
+        "target_ratio_p50": target,
+    }

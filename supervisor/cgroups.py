@@ -29,7 +29,6 @@ The file writes are a few small writes to a kernel file system; they run on
 the reactor thread. Waiting for a cgroup to become empty is asynchronous.
 """
 
-import errno
 import os
 import signal
 
@@ -78,6 +77,23 @@ def _kill_all(procs_file: str) -> int:
         except ProcessLookupError:
             pass
     return killed
+
+
+def _freeze_kill_thaw(freezer: str, frozen: str, thawed: str, procs_file: str) -> int:
+    """Freeze a cgroup, SIGKILL everything in it, thaw it: a frozen process cannot fork away.
+
+    Killed processes die once thawed. One that was mid-fork when the
+    freezer was set may appear after the kill: callers kill again until the
+    cgroup is empty (``ConversationCgroup.wait_empty``).
+    """
+    try:
+        _write(freezer, frozen)
+        return _kill_all(procs_file)
+    finally:
+        try:
+            _write(freezer, thawed)
+        except FileNotFoundError:
+            pass
 
 
 def _mounts() -> list[tuple[str, str, set[str]]]:
@@ -289,15 +305,7 @@ class CgroupV2:
         except FileNotFoundError:
             if not os.path.isdir(directory):
                 return 0
-        freeze = os.path.join(directory, "cgroup.freeze")
-        try:
-            _write(freeze, "1")
-            return _kill_all(procs)
-        finally:
-            try:
-                _write(freeze, "0")
-            except FileNotFoundError:
-                pass
+        return _freeze_kill_thaw(os.path.join(directory, "cgroup.freeze"), "1", "0", procs)
 
     def populated(self, cgroup: ConversationCgroup) -> bool:
         """``populated 1`` in ``cgroup.events``."""
@@ -392,14 +400,7 @@ class CgroupV1:
         procs = os.path.join(self._directory(cgroup, "freezer"), "cgroup.procs")
         if not os.path.exists(freezer):
             return 0
-        try:
-            _write(freezer, "FROZEN")
-            return _kill_all(procs)
-        finally:
-            try:
-                _write(freezer, "THAWED")
-            except FileNotFoundError:
-                pass
+        return _freeze_kill_thaw(freezer, "FROZEN", "THAWED", procs)
 
     def populated(self, cgroup: ConversationCgroup) -> bool:
         """Any process left in any of the conversation's directories."""
@@ -525,8 +526,3 @@ def _find_v1(mounts, root):
     if missing:
         return None, f"cgroup v1: the controllers {' '.join(sorted(missing))} are not mounted"
     return CgroupV1(found, root or "/corral"), None
-
-
-def is_busy(error: OSError) -> bool:
-    """Whether an rmdir failed because processes are still inside."""
-    return error.errno == errno.EBUSY

@@ -1,6 +1,7 @@
 """Helpers the integration tests share: a real supervisor process, and a client."""
 
 import json
+import socket
 import os
 import shutil
 import signal
@@ -178,3 +179,59 @@ def processes_of_uid(uid: int) -> list[int]:
         if int(fields.get("Uid", "-1").split()[0]) == uid:
             found.append(int(entry))
     return found
+
+
+def rss_kib(pid: int) -> int:
+    """Resident memory of a host process, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def raw_exchange(path: str, payload: bytes, timeout: float = 15.0) -> bytes:
+    """Send raw bytes on a fresh connection and read until the supervisor closes it."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        try:
+            if payload:
+                sock.sendall(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        chunks = []
+        while True:
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                return b"".join(chunks)
+            chunks.append(data)
+
+
+def connect_raw(path: str, owner: str, conversation: str, timeout: float = 60.0) -> socket.socket:
+    """Connect, send the hello, read the ok reply; return the socket at the runner's first byte."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(timeout)
+    sock.connect(path)
+    hello = {"corral": 1, "owner": owner, "conversation": conversation}
+    sock.sendall(json.dumps(hello).encode() + b"\n")
+    reply = b""
+    while not reply.endswith(b"\n"):
+        reply += sock.recv(1)
+    assert json.loads(reply)["ok"], reply
+    return sock
+
+
+def read_all(sock: socket.socket) -> int:
+    """Read until the peer closes; return how many bytes came."""
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
+    total = 0
+    while True:
+        count = sock.recv_into(view)
+        if not count:
+            return total
+        total += count

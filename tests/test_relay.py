@@ -1,46 +1,15 @@
 """The relay's byte path: completeness and bounded memory whatever the peers do."""
 
-import json
-import socket
 import threading
 import time
 
 import pytest
 
-from tests.support import wait_until
+from tests.support import connect_raw, read_all, rss_kib, wait_until
 
 pytestmark = pytest.mark.integration
 
 MIB = 1 << 20
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
-def connect(path: str) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX)
-    sock.settimeout(60)
-    sock.connect(path)
-    sock.sendall(b'{"corral": 1, "owner": "relay", "conversation": "c-1"}\n')
-    reply = b""
-    while not reply.endswith(b"\n"):
-        reply += sock.recv(1)
-    assert json.loads(reply)["ok"], reply
-    return sock
-
-
-def read_all(sock: socket.socket) -> int:
-    total = 0
-    while True:
-        data = sock.recv(1 << 20)
-        if not data:
-            return total
-        total += len(data)
 
 
 def test_output_after_runner_closes_stdin_arrives(start_supervisor):
@@ -48,7 +17,7 @@ def test_output_after_runner_closes_stdin_arrives(start_supervisor):
     supervisor = start_supervisor(
         "flood:16777216", extra_args=["--plugins", "tests.relay_plugin"]
     )
-    sock = connect(supervisor.socket)
+    sock = connect_raw(supervisor.socket, "relay", "c-1")
     time.sleep(0.3)
     assert read_all(sock) == 16 * MIB
     sock.close()
@@ -60,7 +29,7 @@ def test_stalled_reader_does_not_grow_the_supervisor(start_supervisor):
     supervisor = start_supervisor(f"flood:{size}", extra_args=["--plugins", "tests.relay_plugin"])
     pid = supervisor.process.pid
     before = rss_kib(pid)
-    sock = connect(supervisor.socket)
+    sock = connect_raw(supervisor.socket, "relay", "c-1")
     peak = before
     for _ in range(40):
         time.sleep(0.05)
@@ -75,7 +44,7 @@ def test_flooding_client_is_paused_not_buffered(start_supervisor):
     supervisor = start_supervisor("deaf", extra_args=["--plugins", "tests.relay_plugin"])
     pid = supervisor.process.pid
     before = rss_kib(pid)
-    sock = connect(supervisor.socket)
+    sock = connect_raw(supervisor.socket, "relay", "c-1")
     sock.setblocking(False)
     chunk = b"x" * MIB
     sent = 0
@@ -98,7 +67,7 @@ def test_many_clients_in_parallel_get_all_bytes(start_supervisor):
     counts = []
 
     def client():
-        sock = connect(supervisor.socket)
+        sock = connect_raw(supervisor.socket, "relay", "c-1")
         counts.append(read_all(sock))
         sock.close()
 
@@ -113,7 +82,7 @@ def test_many_clients_in_parallel_get_all_bytes(start_supervisor):
 def test_client_leaving_while_output_is_paused_is_closed_completely(start_supervisor):
     """A client that hangs up while the relay has paused the runner's output is fully closed."""
     supervisor = start_supervisor(f"flood:{256 * MIB}", extra_args=["--plugins", "tests.relay_plugin"])
-    sock = connect(supervisor.socket)
+    sock = connect_raw(supervisor.socket, "relay", "c-1")
     time.sleep(0.5)
     sock.close()
     wait_until(

@@ -10,7 +10,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import uuid
 
@@ -18,7 +17,7 @@ import pytest
 
 from supervisor.client import HelloRefused, Session
 from supervisor.identities import hashed_uid
-from tests.support import IS_ROOT, RunningSupervisor, processes_of_uid, wait_until
+from tests.support import IS_ROOT, RunningSupervisor, processes_of_uid, raw_exchange, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -33,21 +32,6 @@ def open_session(supervisor, owner="alice", conversation="c-1"):
     session = Session.connect(supervisor.socket, owner, conversation)
     session.initialize()
     return session
-
-
-def raw_exchange(path, payload: bytes, timeout=15) -> bytes:
-    """Send raw bytes, read until the server closes."""
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        if payload:
-            sock.sendall(payload)
-        chunks = []
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                return b"".join(chunks)
-            chunks.append(data)
 
 
 def test_reply_and_directories(supervisor):

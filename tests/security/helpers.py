@@ -7,12 +7,12 @@ left behind, not only what the tenant saw.
 
 import json
 import os
-import socket
 import uuid
 
 from supervisor import proctree
 from supervisor.cgroups import SUPERVISOR_LEAF
 from supervisor.client import Session
+from tests.support import raw_exchange, rss_kib  # noqa: F401 (used by the attack tests)
 from tests.support import cgroup_directories, wait_until
 
 
@@ -35,27 +35,6 @@ def bash(session: Session, command: str, timeout: float | None = None) -> tuple[
         arguments["timeout"] = timeout
     result = session.call_tool("bash", arguments)
     return result["content"][0]["text"], result.get("structuredContent", {})
-
-
-def raw_exchange(path: str, payload: bytes, timeout: float = 15.0) -> bytes:
-    """Send raw bytes on a fresh connection and read until the supervisor closes it."""
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        try:
-            if payload:
-                sock.sendall(payload)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        chunks = []
-        while True:
-            try:
-                data = sock.recv(65536)
-            except ConnectionResetError:
-                data = b""
-            if not data:
-                return b"".join(chunks)
-            chunks.append(data)
 
 
 def refusal(answer: bytes) -> dict:
@@ -162,15 +141,6 @@ def process_uid(pid: int) -> int | None:
     except OSError:
         return None
     return None
-
-
-def rss_kib(pid: int) -> int:
-    """Resident memory of a host process, in KiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def mem_available_kib() -> int:
