@@ -25,20 +25,20 @@ import sys
 import time
 
 from supervisor import paths
+from supervisor.errors import (  # noqa: F401 (re-exported for clients)
+    BAD_HELLO,
+    BAD_NAME,
+    INTERNAL,
+    LIMIT,
+    UID_CONFLICT,
+    UNAVAILABLE,
+)
 
 #: The hello protocol version this client speaks.
 HELLO_VERSION = 1
 
 #: The MCP protocol version :meth:`Session.initialize` asks for by default.
 MCP_PROTOCOL_VERSION = "2025-11-25"
-
-#: The stable error codes of a refused hello (docs/protocol.md, "The reply").
-BAD_HELLO = "bad_hello"
-BAD_NAME = "bad_name"
-UID_CONFLICT = "uid_conflict"
-LIMIT = "limit"
-UNAVAILABLE = "unavailable"
-INTERNAL = "internal"
 
 #: Refusals that may succeed if the same hello is sent again later.
 RETRYABLE_CODES = frozenset({LIMIT, UNAVAILABLE})

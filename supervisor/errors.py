@@ -1,4 +1,7 @@
-"""Errors that reach users: a stable code clients can branch on and a sentence."""
+"""Errors that reach users: a stable code clients can branch on and a sentence.
+
+No imports: ``supervisor.client`` uses the codes without Twisted or attrs.
+"""
 
 #: The stable error codes of the reply (DESIGN.md, "The reply").
 BAD_HELLO = "bad_hello"
