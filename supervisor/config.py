@@ -41,6 +41,63 @@ def _parse_seconds(value: Any) -> float:
     return number
 
 
+_DURATION_SUFFIXES = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _parse_duration(value: Any) -> float:
+    """Seconds, or a number with an s, m, h or d suffix; 0 is allowed (it means off or at once)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 30, 90s, 15m, 2h or 30d")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        text = str(value).strip().lower()
+        factor = _DURATION_SUFFIXES.get(text[-1:], None)
+        try:
+            number = float(text[:-1] if factor else text) * (factor or 1)
+        except ValueError:
+            raise ValueError("expected a duration such as 30, 90s, 15m, 2h or 30d") from None
+    if not 0 <= number < 10**10:
+        raise ValueError("expected a duration of 0 or more")
+    return number
+
+
+def _parse_positive_duration(value: Any) -> float:
+    number = _parse_duration(value)
+    if number <= 0:
+        raise ValueError("expected a duration greater than 0")
+    return number
+
+
+def _parse_optional_str(value: Any) -> str | None:
+    if isinstance(value, str) and value == "":
+        return None
+    return _parse_str(value)
+
+
+def _parse_optional_url(value: Any) -> str | None:
+    text = _parse_optional_str(value)
+    if text is None:
+        return None
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("expected an http:// or https:// URL")
+    if parts.username or parts.password:
+        raise ValueError(
+            "the URL must not carry credentials; set s3_access_key_id and "
+            "s3_secret_access_key (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+        )
+    return text
+
+
+def _parse_optional_group(value: Any) -> int | None:
+    if isinstance(value, str) and value == "":
+        return None
+    return _parse_group(value)
+
+
 def _parse_str(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError("expected a non-empty string")
@@ -276,6 +333,43 @@ KEYS: tuple[Key, ...] = (
         "unset leaves the kernel's default."),
     Key("cpu_limit", _parse_optional_cpus, lambda c: None,
         "CPUs per conversation, such as 1.5 (a CFS quota); unset for no quota."),
+    Key("sync_delay", _parse_duration, lambda c: 2.0,
+        "With a backend that syncs (s3): seconds between a tool call that may "
+        "have changed files and the sync that makes the change durable."),
+    Key("sync_retry_max", _parse_positive_duration, lambda c: 60.0,
+        "Longest wait between retries of a failed sync (the wait doubles from "
+        "1 s up to this)."),
+    Key("warm_idle_time", _parse_duration, lambda c: 900.0,
+        "With a backend that syncs (s3): how long a conversation's local copy "
+        "is kept after its last connection closes, for a fast re-attach; 0 "
+        "removes it as soon as it is durable. Durations take s, m, h, d."),
+    Key("retention", _parse_duration, lambda c: 0.0,
+        "Delete conversations not attached for this long (for example 30d); "
+        "0 keeps them forever. At least twice cleanup_interval."),
+    Key("cleanup_interval", _parse_positive_duration, lambda c: 300.0,
+        "How often the cleanup job runs: evicts idle local copies, applies "
+        "retention, removes orphans and collects unreferenced blobs."),
+    Key("blob_gc_grace", _parse_duration, lambda c: 86400.0,
+        "A stored blob no manifest refers to is deleted only once it is older "
+        "than this, so collection never races a sync that is uploading it."),
+    Key("admin_group", _parse_optional_group, lambda c: None,
+        "Group (name or gid) whose members may make administrative requests "
+        "(delete, cleanup) on the socket, besides root; unset: root only."),
+    Key("s3_endpoint_url", _parse_optional_url, lambda c: None,
+        "S3 endpoint for anything other than AWS (MinIO, Ceph RGW, R2, GCS), "
+        "such as http://127.0.0.1:9000; unset: AWS."),
+    Key("s3_region", _parse_optional_str, lambda c: None,
+        "S3 region; unset: boto3's chain (AWS_DEFAULT_REGION, ~/.aws/config)."),
+    Key("s3_access_key_id", _parse_optional_str, lambda c: None,
+        "S3 access key id; unset: boto3's chain (AWS_ACCESS_KEY_ID, "
+        "~/.aws/credentials, instance roles). Set it and the secret together."),
+    Key("s3_secret_access_key", _parse_optional_str, lambda c: None,
+        "S3 secret access key (never logged; keep the configuration file "
+        "root-only, mode 0600)."),
+    Key("s3_session_token", _parse_optional_str, lambda c: None,
+        "S3 session token for temporary credentials."),
+    Key("s3_max_concurrency", _parse_int(1, 256), lambda c: 8,
+        "Blob transfers in flight at once, across all conversations."),
     Key("log_format", _parse_choice("auto", "json", "text"), lambda c: "auto",
         "Log format on stdout: json, text, or auto (json when stdout is not "
         "a terminal)."),
@@ -284,6 +378,9 @@ KEYS: tuple[Key, ...] = (
 )
 
 KEYS_BY_NAME = {key.name: key for key in KEYS}
+
+#: Keys whose values are never shown (``corral check``, logs).
+SECRET_KEYS = frozenset({"s3_secret_access_key", "s3_session_token"})
 
 
 @frozen
@@ -318,6 +415,19 @@ class Config:
     pids_limit: int | None
     cpu_weight: int | None
     cpu_limit: float | None
+    sync_delay: float
+    sync_retry_max: float
+    warm_idle_time: float
+    retention: float
+    cleanup_interval: float
+    blob_gc_grace: float
+    admin_group: int | None
+    s3_endpoint_url: str | None
+    s3_region: str | None
+    s3_access_key_id: str | None
+    s3_secret_access_key: str | None
+    s3_session_token: str | None
+    s3_max_concurrency: int
     log_format: str
     log_level: str
     #: Per-owner overrides from ``[owners.NAME]`` tables: {owner: {key: value}}.
@@ -326,8 +436,12 @@ class Config:
     sources: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     def as_dict(self) -> dict:
-        """The values by key name, for ``corral check`` and logs."""
-        return {key.name: getattr(self, key.name) for key in KEYS}
+        """The values by key name, for ``corral check`` and logs; secrets are masked."""
+        return {
+            key.name: "(set)" if key.name in SECRET_KEYS and getattr(self, key.name)
+            else getattr(self, key.name)
+            for key in KEYS
+        }
 
     def limits_for(self, owner: str) -> dict:
         """The resource limits of ``owner``'s conversations: the global ones, overridden."""
@@ -375,6 +489,17 @@ def load_config(
         raise ConfigError(
             f"bash_timeout ({values['bash_timeout']}) is larger than "
             f"bash_max_timeout ({values['bash_max_timeout']})"
+        )
+    if values["retention"] and values["retention"] < 2 * values["cleanup_interval"]:
+        raise ConfigError(
+            f"retention ({values['retention']:g} s) must be 0 or at least twice "
+            f"cleanup_interval ({values['cleanup_interval']:g} s): attached "
+            "conversations are marked as in use once per cleanup"
+        )
+    if bool(values["s3_access_key_id"]) != bool(values["s3_secret_access_key"]):
+        raise ConfigError(
+            "set s3_access_key_id and s3_secret_access_key together, or neither "
+            "(then boto3's chain is used: AWS_ACCESS_KEY_ID, ~/.aws, instance roles)"
         )
     return Config(**values, owners=owners, sources=sources)
 
