@@ -27,7 +27,7 @@ import secrets
 import shutil
 import stat
 import tempfile
-from concurrent.futures import Executor
+from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from typing import Callable, Iterable
 
 from attrs import Factory, define, frozen
@@ -180,6 +180,28 @@ def check_relative_path(path) -> None:
         raise ManifestError(f"manifest path {path!r} is not a relative path")
     if any(part in ("", ".", "..") for part in path.split("/")):
         raise ManifestError(f"manifest path {path!r} has an empty, '.' or '..' part")
+
+
+def run_all(executor: Executor, fn: Callable, items: Iterable) -> list:
+    """``[fn(item) for item in items]`` on ``executor``, results in order.
+
+    Unlike ``Executor.map``, nothing is still running when this returns or
+    raises: on the first failure the calls not yet started are cancelled,
+    the running ones are waited for, and the failure is raised. Callers
+    close the directory descriptors the calls use right afterwards.
+    """
+    futures = [executor.submit(fn, item) for item in items]
+    if not futures:
+        return []
+    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    if pending:
+        for future in pending:
+            future.cancel()
+        wait(pending)
+        for future in futures:
+            if not future.cancelled() and future.exception() is not None:
+                raise future.exception()
+    return [future.result() for future in futures]
 
 
 # --- the local side -------------------------------------------------------
@@ -500,7 +522,10 @@ def upload_missing(root_fd: int, plan: SyncPlan, known: set, uid: int,
     """Upload every blob the plan needs that the store lacks; return the Uploads.
 
     ``known`` holds hashes the store is known to have (the base manifest's),
-    which are not even asked about. Each file is copied into a root-private
+    which are not even asked about. ``blob_exists(sha256)`` is True when the
+    store has the blob and it may be relied on (the s3 backend answers
+    False for a blob old enough that garbage collection could be about to
+    delete it, so it is uploaded again, which makes it young). Each file is copied into a root-private
     spool while it is hashed, and the spool is uploaded, so the bytes stored
     under a hash are always the bytes that hash to it even if the tenant
     rewrites the file meanwhile; when that happens the plan's entry is
@@ -512,7 +537,7 @@ def upload_missing(root_fd: int, plan: SyncPlan, known: set, uid: int,
         if entry.kind == FILE and entry.sha256 not in known:
             first_path.setdefault(entry.sha256, entry.path)
     candidates = list(first_path.items())
-    present = list(executor.map(lambda item: blob_exists(item[0]), candidates))
+    present = run_all(executor, lambda item: blob_exists(item[0]), candidates)
     missing = [item for item, there in zip(candidates, present) if not there]
 
     def upload(item):
@@ -535,7 +560,7 @@ def upload_missing(root_fd: int, plan: SyncPlan, known: set, uid: int,
 
     uploads = []
     replaced = {}
-    for path, expected, done in executor.map(upload, missing):
+    for path, expected, done in run_all(executor, upload, missing):
         uploads.append(done)
         if done.sha256 != expected:
             replaced[path] = done
@@ -649,7 +674,7 @@ def hydrate(root_fd: int, manifest: Manifest, stamps: dict, uid: int, gid: int,
         finally:
             os.close(dir_fd)
 
-    for path, stamp in executor.map(download, downloads):
+    for path, stamp in run_all(executor, download, downloads):
         result.stamps[path] = stamp
         result.downloaded += 1
         result.bytes_downloaded += stamp.size
