@@ -39,7 +39,7 @@ usage: runner --workspace DIR [--bash-timeout SECONDS] [--bash-max-timeout SECON
               [--max-output-lines N] [--max-output-bytes N]
               [--max-read-bytes N] [--max-edit-bytes N] [--subreaper] [--setsid]
               [--oom-events FILE] [--memory-limit N] [--no-userns]
-              [--max-spill-bytes N]
+              [--max-spill-bytes N] [--events-fd FD --answers-fd FD]
 
   --max-read-bytes N  read refuses text files larger than N bytes (default 67108864, 64 MiB)
   --max-edit-bytes N  edit refuses files larger than N bytes (default 16777216, 16 MiB)
@@ -50,7 +50,20 @@ usage: runner --workspace DIR [--bash-timeout SECONDS] [--bash-max-timeout SECON
   --no-userns         commands cannot create user namespaces (a seccomp filter)
   --max-spill-bytes N bash saves at most N bytes of a long output to its file
                       (default 268435456, 256 MiB)
+  --events-fd FD      the side channel to the supervisor: the runner writes a line
+                      there when a tool call that may have changed files ends, and
+                      forwards corral/checkpoint requests
+  --answers-fd FD     where the supervisor answers checkpoints
 """
+
+#: The side channel's messages (one JSON line each; see docs/protocol.md).
+CHANGED_EVENT = b'{"event":"changed"}\n'
+#: Tools whose calls may change files.
+CHANGING_TOOLS = frozenset({"bash", "write", "edit"})
+#: JSON-RPC error code of a checkpoint that could not be made durable.
+CHECKPOINT_FAILED = -32001
+#: Checkpoints one runner may have waiting at once.
+MAX_PENDING_CHECKPOINTS = 64
 
 
 class UsageError(Exception):
@@ -66,7 +79,8 @@ class Options:
                  max_output_lines=2000, max_output_bytes=51200,
                  max_read_bytes=64 * 1024 * 1024, max_edit_bytes=16 * 1024 * 1024,
                  subreaper=False, setsid=False, oom_events=None, memory_limit=None,
-                 no_userns=False, max_spill_bytes=256 * 1024 * 1024):
+                 no_userns=False, max_spill_bytes=256 * 1024 * 1024,
+                 events_fd=None, answers_fd=None):
         self.workspace = workspace
         self.bash_timeout = bash_timeout
         self.bash_max_timeout = bash_max_timeout
@@ -86,6 +100,9 @@ class Options:
         self.no_userns = no_userns
         #: bash saves at most this many bytes of a long output to its file.
         self.max_spill_bytes = max_spill_bytes
+        #: The side channel: events to the supervisor, its answers back (or None).
+        self.events_fd = events_fd
+        self.answers_fd = answers_fd
 
 
 # option -> (attribute, type); every one takes a value that must be positive.
@@ -100,6 +117,8 @@ _VALUE_OPTIONS = {
     "--oom-events": ("oom_events", str),
     "--memory-limit": ("memory_limit", int),
     "--max-spill-bytes": ("max_spill_bytes", int),
+    "--events-fd": ("events_fd", int),
+    "--answers-fd": ("answers_fd", int),
 }
 _FLAG_OPTIONS = {"--subreaper": "subreaper", "--setsid": "setsid", "--no-userns": "no_userns"}
 
@@ -135,6 +154,8 @@ def parse_options(argv):
         values[attribute] = converted
     if "workspace" not in values:
         raise UsageError("--workspace DIR is required")
+    if ("events_fd" in values) != ("answers_fd" in values):
+        raise UsageError("--events-fd and --answers-fd go together")
     values["workspace"] = os.path.abspath(values["workspace"])
     return Options(**values)
 
@@ -179,7 +200,12 @@ class Server:
             "ping": self._ping,
             "tools/list": self._list_tools,
             "tools/call": self._call_tool,
+            "corral/checkpoint": self._checkpoint,
         }
+        # Checkpoints forwarded to the supervisor: token -> request id.
+        self._checkpoints = {}
+        self._checkpoint_tokens = 0
+        self._answers_started = False
 
     # -- output ---------------------------------------------------------
 
@@ -418,6 +444,8 @@ class Server:
             # Forget the id before answering: a client may reuse it at once.
             with self._calls_lock:
                 del self._calls[key]
+            if name in CHANGING_TOOLS:
+                self.notify_changed()
         try:
             self.send(message)
         finally:
@@ -433,6 +461,98 @@ class Server:
         """Block until every call in flight has sent its answer."""
         with self._idle:
             pass
+
+    # -- the side channel to the supervisor -------------------------------
+
+    def notify_changed(self):
+        """Tell the supervisor that files may have changed (it syncs them soon).
+
+        Never blocks: the events pipe is non-blocking and a full pipe means
+        the supervisor already has a notice to act on.
+        """
+        if self.options.events_fd is not None:
+            try:
+                os.write(self.options.events_fd, CHANGED_EVENT)
+            except OSError:
+                pass
+
+    def _checkpoint(self, request_id, params):
+        """Forward a checkpoint to the supervisor; the answer comes when the files are durable."""
+        if self.options.events_fd is None:
+            raise RequestError(METHOD_NOT_FOUND,
+                               "Method not found: corral/checkpoint needs the runner to be "
+                               "started by a corral supervisor.")
+        with self._calls_lock:
+            if len(self._checkpoints) >= MAX_PENDING_CHECKPOINTS:
+                raise RequestError(INVALID_REQUEST,
+                                   f"Invalid Request: {MAX_PENDING_CHECKPOINTS} checkpoints "
+                                   "are already waiting; wait for their answers.")
+            self._checkpoint_tokens += 1
+            token = self._checkpoint_tokens
+            self._checkpoints[token] = request_id
+            if self._in_flight == 0:
+                self._idle.acquire()
+            self._in_flight += 1
+            if not self._answers_started:
+                self._answers_started = True
+                _thread.start_new_thread(self._read_answers, ())
+        line = (json.dumps({"event": "checkpoint", "token": token}) + "\n").encode()
+        try:
+            os.write(self.options.events_fd, line)
+        except OSError as error:
+            self._answer_checkpoint(token, {"ok": False, "code": "unavailable",
+                                            "message": f"the supervisor cannot be told ({error})"})
+        return None
+
+    def _read_answers(self):
+        """Read the supervisor's checkpoint answers (a thread); at end of file, fail what waits."""
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(self.options.answers_fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            pending = pending[-65536:]
+            for line in lines:
+                try:
+                    answer = json.loads(line)
+                    token = answer["checkpoint"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                self._answer_checkpoint(token, answer)
+        with self._calls_lock:
+            tokens = list(self._checkpoints)
+        for token in tokens:
+            self._answer_checkpoint(token, {"ok": False, "code": "unavailable",
+                                            "message": "the supervisor closed the side channel"})
+
+    def _answer_checkpoint(self, token, answer):
+        """Send the client the answer to checkpoint ``token`` (once)."""
+        with self._calls_lock:
+            request_id = self._checkpoints.pop(token, None)
+        if request_id is None:
+            return
+        try:
+            if answer.get("ok") is True:
+                result = answer.get("result")
+                self.send({"jsonrpc": "2.0", "id": request_id,
+                           "result": {"durable": True,
+                                      **(result if isinstance(result, dict) else {})}})
+            else:
+                code = answer.get("code")
+                message = answer.get("message")
+                self.send({"jsonrpc": "2.0", "id": request_id,
+                           "error": {"code": CHECKPOINT_FAILED,
+                                     "message": "Checkpoint failed: " + (
+                                         message if isinstance(message, str)
+                                         else "the changes are not durable"),
+                                     "data": {"code": code if isinstance(code, str)
+                                              else "internal"}}})
+        finally:
+            self._call_finished()
 
     def _progress_sender(self, token):
         """A function that sends a progress notification for token."""
@@ -484,6 +604,18 @@ def main(argv):
             pass
     for fd in (0, 1):
         os.set_blocking(fd, True)
+    for fd in (options.events_fd, options.answers_fd):
+        if fd is not None:
+            # The tools' commands must not inherit the side channel.
+            try:
+                os.set_inheritable(fd, False)
+            except OSError as error:
+                sys.stderr.write(f"corral runner: the side channel fd {fd} is not open: "
+                                 f"{error.strerror}\n")
+                return 2
+    if options.events_fd is not None:
+        os.set_blocking(options.events_fd, False)
+        os.set_blocking(options.answers_fd, True)
     server = Server(options)
     # Terminating signals are blocked in every thread and taken by one thread
     # with sigwait: a Python handler could miss a signal that arrives just

@@ -27,6 +27,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--owner", required=True, help="owner name (a user or tenant)")
     parser.add_argument("--conversation", required=True, help="conversation name")
+    _add_socket_flag(parser)
+
+
+def _add_socket_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--socket",
         default=os.environ.get("CORRAL_SOCKET") or paths.default_socket(),
@@ -72,6 +76,23 @@ def build_parser(with_config_flags: bool = True) -> argparse.ArgumentParser:
     call.add_argument("tool", help="bash, read, write or edit")
     call.add_argument("arguments", nargs="?", default="{}", help="the tool's arguments as JSON")
 
+    checkpoint = commands.add_parser(
+        "checkpoint", help="make a conversation's changes durable (sync them to the store)"
+    )
+    _add_client_flags(checkpoint)
+
+    delete = commands.add_parser(
+        "delete",
+        help="delete a conversation, or an owner with all its conversations (admin)",
+    )
+    delete.add_argument("--owner", required=True, help="owner name")
+    delete.add_argument("--conversation", help="conversation name; without it, the whole owner")
+    _add_socket_flag(delete)
+    cleanup = commands.add_parser(
+        "cleanup", help="run the cleanup job now: eviction, retention, garbage (admin)"
+    )
+    _add_socket_flag(cleanup)
+
     commands.add_parser(
         "runner", help="(internal) the per-conversation daemon", add_help=False
     )
@@ -92,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         from runner.server import main as runner_main
 
         return runner_main(argv[1:])
-    client_command = argv[:1] in (["relay"], ["exec"], ["call"])
+    client_command = argv[:1] in (
+        ["relay"], ["exec"], ["call"], ["checkpoint"], ["delete"], ["cleanup"]
+    )
     args = build_parser(with_config_flags=not client_command).parse_args(argv)
     if args.command in ("serve", "check"):
         from supervisor.errors import ConfigError
@@ -111,6 +134,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from supervisor import client
 
+    if args.command == "checkpoint":
+        return client.checkpoint_main(args.socket, args.owner, args.conversation)
+    if args.command == "delete":
+        request = {"admin": "delete", "owner": args.owner}
+        if args.conversation:
+            request["conversation"] = args.conversation
+        return client.admin_main("delete", args.socket, request)
+    if args.command == "cleanup":
+        return client.admin_main("cleanup", args.socket, {"admin": "cleanup"})
     if args.command == "relay":
         return client.relay_main(args.socket, args.owner, args.conversation)
     if args.command == "exec":

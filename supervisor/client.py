@@ -317,6 +317,15 @@ class Session:
             self.abandon(request_id)
             raise
 
+    def checkpoint(self, timeout: float | None = 300.0) -> dict:
+        """Return once every change made so far is durable (synced to the store).
+
+        Returns ``{"durable": True, "storage": NAME, ...sync statistics}``;
+        raises :class:`RpcError` (``data["code"]`` such as
+        ``storage_unavailable`` or ``sync_conflict``) when it is not.
+        """
+        return self.request("corral/checkpoint", {}, timeout)
+
     def start_call(self, name: str, arguments: dict | None = None, on_progress=None):
         """Send a ``tools/call`` without waiting; return its request id for :meth:`wait`."""
         params = {"name": name, "arguments": {} if arguments is None else arguments}
@@ -626,6 +635,18 @@ def _parse_reply(line: bytes, path: str) -> dict:
     return reply
 
 
+def admin_request(socket_path, request: dict, timeout: float | None = 600.0) -> dict:
+    """Send one administrative request (``{"admin": "delete", "owner": ...}``); return its result.
+
+    Raises :class:`HelloRefused` (``forbidden`` for a caller that is not
+    root, the supervisor's user or in ``admin_group``).
+    """
+    line = json.dumps({"corral": HELLO_VERSION, **request}).encode() + b"\n"
+    sock, reply, _ = _open(socket_path, line, timeout)
+    sock.close()
+    return reply.get("result", {})
+
+
 # -- the commands ------------------------------------------------------------
 
 
@@ -869,3 +890,40 @@ def call_main(
     sys.stdout.write(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     sys.stdout.flush()
     return 1 if result.get("isError") else 0
+
+
+def admin_main(command: str, socket_path: str, request: dict) -> int:
+    """``corral delete`` and ``corral cleanup``: print the result as JSON; 2 on failure."""
+    try:
+        result = admin_request(socket_path, request)
+    except KeyboardInterrupt:
+        return 130
+    except HelloRefused as refusal:
+        print(f"corral {command}: {refusal.code}: {refusal.message}", file=sys.stderr)
+        return 2
+    except (OSError, ProtocolError) as error:
+        print(f"corral {command}: {error}", file=sys.stderr)
+        return 2
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def checkpoint_main(socket_path: str, owner: str, conversation: str) -> int:
+    """``corral checkpoint``: attach, make the conversation's files durable, print the result."""
+    session = _connect_for_command("checkpoint", socket_path, owner, conversation)
+    if session is None:
+        return 2
+    with session:
+        try:
+            session.initialize()
+            result = session.checkpoint()
+        except KeyboardInterrupt:
+            return 130
+        except RpcError as error:
+            print(f"corral checkpoint: {error.message}", file=sys.stderr)
+            return 1
+        except (OSError, ProtocolError) as error:
+            print(f"corral checkpoint: {error}", file=sys.stderr)
+            return 2
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    return 0

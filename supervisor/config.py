@@ -354,7 +354,7 @@ KEYS: tuple[Key, ...] = (
         "than this, so collection never races a sync that is uploading it."),
     Key("admin_group", _parse_optional_group, lambda c: None,
         "Group (name or gid) whose members may make administrative requests "
-        "(delete, cleanup) on the socket, besides root; unset: root only."),
+        "(delete, cleanup) on the socket, besides root and the supervisor's own user; unset: those two only."),
     Key("s3_endpoint_url", _parse_optional_url, lambda c: None,
         "S3 endpoint for anything other than AWS (MinIO, Ceph RGW, R2, GCS), "
         "such as http://127.0.0.1:9000; unset: AWS."),

@@ -28,6 +28,19 @@ class Hello:
     conversation: str
 
 
+#: Administrative requests a hello may carry instead of asking for a runner.
+ADMIN_ACTIONS = ("delete", "cleanup")
+
+
+@frozen
+class AdminRequest:
+    """An administrative request: delete an owner or a conversation, or run the cleanup now."""
+
+    action: str
+    owner: str | None = None
+    conversation: str | None = None
+
+
 def check_name(kind: str, value: object) -> str:
     """Return ``value`` if it is a valid owner or conversation name, else refuse.
 
@@ -48,8 +61,11 @@ def check_name(kind: str, value: object) -> str:
     return value
 
 
-def parse_hello(line: bytes) -> Hello:
-    """Parse one hello line (its trailing newline optional) or raise CorralError."""
+def parse_hello(line: bytes) -> Hello | AdminRequest:
+    """Parse one hello line (its trailing newline optional) or raise CorralError.
+
+    A hello with an ``admin`` key is an :class:`AdminRequest`.
+    """
     if len(line) > MAX_HELLO_BYTES:
         raise CorralError(
             BAD_HELLO, f"the hello is longer than {MAX_HELLO_BYTES} bytes"
@@ -75,6 +91,8 @@ def parse_hello(line: bytes) -> Hello:
             f'the hello must carry "corral": {PROTOCOL_VERSION}, '
             f"got {safe_repr(version)}",
         )
+    if "admin" in message:
+        return _parse_admin(message)
     unknown = sorted(set(message) - {"corral", "owner", "conversation"})
     if unknown:
         raise CorralError(
@@ -87,6 +105,32 @@ def parse_hello(line: bytes) -> Hello:
     return Hello(
         owner=check_name("owner", message["owner"]),
         conversation=check_name("conversation", message["conversation"]),
+    )
+
+
+def _parse_admin(message: dict) -> AdminRequest:
+    action = message["admin"]
+    if action not in ADMIN_ACTIONS:
+        raise CorralError(
+            BAD_HELLO,
+            f"unknown admin request {safe_repr(action)}; known: " + ", ".join(ADMIN_ACTIONS),
+        )
+    allowed = {"corral", "admin"} | ({"owner", "conversation"} if action == "delete" else set())
+    unknown = sorted(set(message) - allowed)
+    if unknown:
+        raise CorralError(
+            BAD_HELLO,
+            f"the {action} request has unknown keys: " + ", ".join(safe_repr(k) for k in unknown),
+        )
+    if action == "cleanup":
+        return AdminRequest("cleanup")
+    if "owner" not in message:
+        raise CorralError(BAD_HELLO, 'a delete request needs "owner" (and optionally "conversation")')
+    conversation = message.get("conversation")
+    return AdminRequest(
+        "delete",
+        owner=check_name("owner", message["owner"]),
+        conversation=None if conversation is None else check_name("conversation", conversation),
     )
 
 

@@ -13,7 +13,6 @@ import select
 import socket
 import struct
 
-import attrs
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Factory, Protocol
@@ -22,9 +21,11 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from supervisor.errors import BAD_HELLO, INTERNAL, LIMIT, UNAVAILABLE, CorralError
-from supervisor.hello import MAX_HELLO_BYTES, NAME_PATTERN, Hello, parse_hello
+from supervisor.errors import BAD_HELLO, FORBIDDEN, INTERNAL, LIMIT, UNAVAILABLE, CorralError
+from supervisor.hello import MAX_HELLO_BYTES, NAME_PATTERN, AdminRequest, Hello, parse_hello
 from supervisor.runner_process import (
+    ANSWERS_FD,
+    EVENTS_FD,
     ClientInputProducer,
     RunnerOutputProducer,
     RunnerProcessProtocol,
@@ -36,6 +37,9 @@ _connection_ids = itertools.count(1)
 
 #: How often a client that is not being read is checked for a hang-up.
 HANGUP_CHECK_SECONDS = 1.0
+#: Checkpoints one connection may have waiting (the side channel is tenant-reachable).
+MAX_PENDING_CHECKPOINTS = 64
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
 
 def tmpfs_size(tmp_size: int, limits: dict, limited: bool) -> int:
@@ -74,6 +78,31 @@ def peer_credentials(transport) -> dict:
     return {"peer_pid": pid, "peer_uid": uid, "peer_gid": gid}
 
 
+def peer_groups(transport) -> set:
+    """The connecting process's supplementary groups (SO_PEERGROUPS), or an empty set."""
+    sock = getattr(transport, "socket", None)
+    if sock is None:
+        return set()
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * 1024)
+    except OSError:
+        return set()
+    return set(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+
+
+def may_administer(transport, admin_group: int | None) -> bool:
+    """Root, the supervisor's own user, or a member of admin_group may make admin requests."""
+    credentials = peer_credentials(transport)
+    uid = credentials.get("peer_uid")
+    if uid is None:
+        return False
+    if uid in (0, os.geteuid()):
+        return True
+    if admin_group is None:
+        return False
+    return credentials.get("peer_gid") == admin_group or admin_group in peer_groups(transport)
+
+
 @implementer(IHalfCloseableProtocol)
 class ConversationProtocol(Protocol):
     """A client asking for a conversation's runner, then talking to it."""
@@ -88,6 +117,9 @@ class ConversationProtocol(Protocol):
         self.hello: Hello | None = None
         self.identity = None
         self.workspace: str | None = None
+        #: The attached supervisor.workspaces.Conversation, once attached.
+        self.conversation = None
+        self._checkpoints_pending = 0
         self.runner: RunnerProcessProtocol | None = None
         self.cgroup = None
         self._buffer = bytearray()
@@ -167,6 +199,11 @@ class ConversationProtocol(Protocol):
                 hello = parse_hello(line)
             except CorralError as e:
                 self.refuse(e)
+                return
+            if isinstance(hello, AdminRequest):
+                self.state = "admin"
+                self.pause_client()
+                Deferred.fromCoroutine(self._admin(hello)).addErrback(self._start_failed)
                 return
             self.hello = hello
             self.state = "starting"
@@ -280,11 +317,13 @@ class ConversationProtocol(Protocol):
                     f"(max_conversations_per_owner is {config.max_conversations_per_owner}); "
                     "delete some before starting new ones",
                 )
-        self.workspace = await supervisor.storage.prepare_workspace(
-            self.identity, hello.conversation
-        )
+        supervisor.workspaces._refuse_if_deleting(hello.owner, hello.conversation)
+        conversation = await supervisor.workspaces.attach(self.identity, hello.conversation)
         if self.state != "starting":
+            supervisor.workspaces.detach(conversation)
             return
+        self.conversation = conversation
+        self.workspace = conversation.path
         if created:
             supervisor.auditor.emit("workspace_created", **self._audit_ids())
         self._spawn()
@@ -363,6 +402,10 @@ class ConversationProtocol(Protocol):
                 *oom_args,
                 "--subreaper",
                 "--no-userns",
+                "--events-fd",
+                str(EVENTS_FD),
+                "--answers-fd",
+                str(ANSWERS_FD),
             ),
             env=runner_env(self.workspace),
             tmp_size=tmpfs_size(config.tmp_size, limits, self.cgroup is not None),
@@ -372,14 +415,15 @@ class ConversationProtocol(Protocol):
         spec = supervisor.isolation.spawn_spec(launch)
         executable, args = spec.executable, spec.args
         self.runner = RunnerProcessProtocol(
-            self.reactor, self._runner_output, {"connection": self.connection_id}
+            self.reactor, self._runner_output, {"connection": self.connection_id},
+            on_event=self._runner_event,
         )
         self.reactor.spawnProcess(
             self.runner,
             executable,
             list(args),
             env=spec.env,
-            childFDs={0: "w", 1: "r", 2: "r"},
+            childFDs={0: "w", 1: "r", 2: "r", EVENTS_FD: "r", ANSWERS_FD: "w"},
         )
         self.runner.ended.addCallback(self._runner_ended)
         if self.cgroup is not None:
@@ -402,6 +446,76 @@ class ConversationProtocol(Protocol):
             conversation=self.hello.conversation,
             uid=self.runner_uid,
         )
+
+    # -- the runner's side channel ------------------------------------
+
+    def _runner_event(self, message: dict) -> None:
+        """A side-channel message: files may have changed, or a checkpoint is asked for."""
+        conversation = self.conversation
+        if conversation is None or self.state not in ("relaying", "starting"):
+            return
+        event = message.get("event")
+        if event == "changed":
+            self.supervisor.workspaces.changed(conversation)
+        elif event == "checkpoint":
+            token = message.get("token")
+            if not isinstance(token, int) or isinstance(token, bool):
+                return
+            if self._checkpoints_pending >= MAX_PENDING_CHECKPOINTS:
+                self.runner.answer({"checkpoint": token, "ok": False, "code": LIMIT,
+                                    "message": "too many checkpoints are waiting"})
+                return
+            self._checkpoints_pending += 1
+            runner = self.runner
+
+            def durable(fields):
+                self._checkpoints_pending -= 1
+                runner.answer({"checkpoint": token, "ok": True,
+                               "result": {"storage": self.supervisor.storage.name,
+                                          **(fields or {})}})
+
+            def not_durable(failure):
+                self._checkpoints_pending -= 1
+                code = getattr(failure.value, "code", None)
+                runner.answer({"checkpoint": token, "ok": False,
+                               "code": code if isinstance(code, str) else INTERNAL,
+                               "message": failure.getErrorMessage()})
+
+            self.supervisor.workspaces.checkpoint(conversation).addCallbacks(durable, not_durable)
+
+    # -- administrative requests ---------------------------------------
+
+    async def _admin(self, request: AdminRequest) -> None:
+        supervisor = self.supervisor
+        if not may_administer(self.transport, supervisor.config.admin_group):
+            raise CorralError(
+                FORBIDDEN,
+                "administrative requests are for root, the supervisor's user and members "
+                "of admin_group",
+            )
+        supervisor.auditor.emit(
+            "admin_request", action=request.action, connection=self.connection_id,
+            **({"owner": request.owner} if request.owner else {}),
+            **({"conversation": request.conversation} if request.conversation else {}),
+            **peer_credentials(self.transport),
+        )
+        try:
+            if request.action == "cleanup":
+                result = await supervisor.workspaces.cleanup()
+            else:
+                result = await supervisor.workspaces.delete(request.owner, request.conversation)
+        except CorralError:
+            raise
+        except Exception as e:
+            code = getattr(e, "code", None)
+            if not isinstance(code, str):
+                raise
+            # The store's own error (storage_unavailable, ...): say it, retrying may help.
+            raise CorralError(UNAVAILABLE, f"{request.action} failed ({code}): {e}") from None
+        if self.state == "admin":
+            self._reply({"ok": True, "admin": request.action, "result": result})
+            self.state = "done"
+            self.transport.loseConnection()
 
     def _cgroup_joined(self, moved: int) -> None:
         """The runner's tree is in its cgroup: let the client's bytes through."""
@@ -452,6 +566,8 @@ class ConversationProtocol(Protocol):
         elif self.cgroup is not None:
             self.cgroup.remove()
             self.cgroup = None
+        if self.state == "admin":
+            self.state = "starting"  # refuse() answers once
         self.refuse(error)
 
     # -- relay and close -----------------------------------------------
@@ -508,6 +624,8 @@ class ConversationProtocol(Protocol):
         runner = self.runner
         if runner is None:
             done = succeed(None)
+            if self.conversation is not None:
+                done.addCallback(self._release)
         else:
             runner.discard_output()
             if self.cgroup is not None:
@@ -558,34 +676,10 @@ class ConversationProtocol(Protocol):
         )
 
     def _release(self, _):
-        """Let the storage backend persist the workspace; audit how it went."""
-        released = self.supervisor.storage.release_workspace(
-            self.identity, self.hello.conversation, self.workspace
-        )
-        return released.addCallbacks(self._released, self._release_failed)
-
-    def _released(self, stats) -> None:
-        if attrs.has(type(stats)):
-            fields = {
-                name: value
-                for name, value in attrs.asdict(stats).items()
-                if isinstance(value, (bool, int, float, str))
-            }
-            self.supervisor.auditor.emit("workspace_synced", **fields, **self._audit_ids())
-
-    def _release_failed(self, failure) -> None:
-        code = getattr(failure.value, "code", None)
-        self.supervisor.auditor.emit(
-            "workspace_sync_failed",
-            code=code if isinstance(code, str) else "internal",
-            **self._audit_ids(),
-        )
-        self.log.failure(
-            "storage could not persist {owner}/{conversation}",
-            failure,
-            owner=self.hello.owner,
-            conversation=self.hello.conversation,
-        )
+        """The runner is gone: detach; the last connection's close syncs the workspace."""
+        if self.conversation is None:
+            return None
+        return self.supervisor.workspaces.detach(self.conversation)
 
     def _closed(self, result):
         if hasattr(result, "check"):

@@ -8,6 +8,7 @@ process tree on request.
 
 import errno
 import fcntl
+import json
 import os
 
 from twisted.internet import error
@@ -34,6 +35,11 @@ STDERR_LINE = 1000
 #: Stderr lines logged in a burst, and per second after it (a token bucket).
 STDERR_BURST_LINES = 100
 STDERR_LINES_PER_SECOND = 10.0
+#: The side channel: the runner writes events on its fd 3, reads answers on its fd 4.
+EVENTS_FD = 3
+ANSWERS_FD = 4
+#: Longest side-channel line; a longer one is dropped (the channel is tenant-reachable).
+MAX_EVENT_LINE = 1024
 
 
 def _enlarge_pipe(fd: int) -> None:
@@ -141,9 +147,12 @@ class RunnerProcessProtocol(ProcessProtocol):
 
     log = Logger()
 
-    def __init__(self, reactor, on_output, label: dict):
+    def __init__(self, reactor, on_output, label: dict, on_event=None):
         self.reactor = reactor
         self.on_output = on_output
+        #: Receives each side-channel message (a dict) the runner sends.
+        self.on_event = on_event
+        self._events_partial = b""
         self.label = label
         self.ended: Deferred = Deferred()
         self.exit_status: dict | None = None
@@ -186,6 +195,37 @@ class RunnerProcessProtocol(ProcessProtocol):
         """Send bytes to the runner's stdin (ignored once it has gone)."""
         if self.transport is not None and 0 in self.transport.pipes:
             write_now(self.transport.pipes[0], data)
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        """Route stdout, stderr and the side channel's events."""
+        if childFD == EVENTS_FD:
+            self._eventsReceived(data)
+        else:
+            super().childDataReceived(childFD, data)
+
+    def _eventsReceived(self, data: bytes) -> None:
+        """Split the side channel into JSON lines; anything malformed or too long is dropped.
+
+        Processes of the tenant's uid could write here too, so nothing read
+        from it is trusted: it can only ask for a sync or a checkpoint.
+        """
+        *lines, partial = (self._events_partial + data).split(b"\n")
+        self._events_partial = partial if len(partial) <= MAX_EVENT_LINE else b""
+        for line in lines:
+            if len(line) > MAX_EVENT_LINE or self.on_event is None:
+                continue
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict):
+                self.on_event(message)
+
+    def answer(self, message: dict) -> None:
+        """Send one side-channel answer to the runner (ignored once it has gone)."""
+        if self.transport is not None and ANSWERS_FD in self.transport.pipes:
+            self.transport.writeToChild(
+                ANSWERS_FD, json.dumps(message, separators=(",", ":")).encode() + b"\n")
 
     def outReceived(self, data: bytes) -> None:
         """Relay stdout to the client."""

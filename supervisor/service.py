@@ -29,6 +29,7 @@ from supervisor.errors import ConfigError
 from supervisor.identities import IdentityStore
 from supervisor.protocol import ConversationFactory
 from supervisor.spawn import install_runner_code, unreadable_ancestor
+from supervisor.workspaces import WorkspaceManager
 
 log = Logger()
 
@@ -47,6 +48,19 @@ class Supervisor:
     privileged: bool
     cgroups: object = None
     connections: set = field(factory=set)
+    #: The supervisor.workspaces.WorkspaceManager: the one caller of the storage backend.
+    workspaces: object = None
+
+    def close_connections(self, owner: str, conversation: str | None):
+        """Abort the owner's connections (to ``conversation`` only, when given); fires once closed."""
+        matching = [
+            c for c in self.connections
+            if c.hello is not None and c.hello.owner == owner
+            and (conversation is None or c.hello.conversation == conversation)
+        ]
+        for connection in matching:
+            connection.transport.abortConnection()
+        return DeferredList([c.closed for c in matching], consumeErrors=True)
 
 
 def build_supervisor(reactor, config, registry) -> Supervisor:
@@ -65,7 +79,7 @@ def build_supervisor(reactor, config, registry) -> Supervisor:
             "no cgroup can be used: conversations have no memory or process limits; "
             "runners are still killed through their pid namespace"
         )
-    return Supervisor(
+    supervisor = Supervisor(
         reactor=reactor,
         config=config,
         identities=IdentityStore(config.workspace_root, config.uid_range, privileged),
@@ -76,6 +90,11 @@ def build_supervisor(reactor, config, registry) -> Supervisor:
         privileged=privileged,
         cgroups=hierarchy,
     )
+    supervisor.workspaces = WorkspaceManager(
+        reactor, config, storage, supervisor.auditor, supervisor.identities
+    )
+    supervisor.workspaces.close_connections = supervisor.close_connections
+    return supervisor
 
 
 def make_directories(path: str, mode: int) -> None:
@@ -284,11 +303,13 @@ class CorralService(MultiService):
             storage=supervisor.storage.name,
             root=self.config.workspace_root,
         )
+        supervisor.workspaces.start()
         sdnotify.notify("READY=1\nSTATUS=listening on " + self.config.socket)
 
     def stopService(self):
         """Stop accepting, kill every runner, wait for them, then close the audit sinks."""
         sdnotify.notify("STOPPING=1")
+        self.supervisor.workspaces.stop()
         listening_stopped = super().stopService() or succeed(None)
         return listening_stopped.addCallback(lambda _: self._stop_connections())
 

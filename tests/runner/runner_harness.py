@@ -20,11 +20,12 @@ class RunnerProcess:
     a line that is not JSON is kept as ``{UNPARSABLE: line}`` so tests can see it.
     """
 
-    def __init__(self, workspace, *options):
+    def __init__(self, workspace, *options, pass_fds=()):
         self.workspace = Path(workspace)
         self.process = subprocess.Popen(
             [sys.executable, "-I", "-S", str(RUNNER_MAIN), "--workspace", str(workspace), *options],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=pass_fds,
         )
         self.messages = []
         self.stderr = b""

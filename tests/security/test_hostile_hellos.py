@@ -193,7 +193,13 @@ def test_lookalike_names_stay_inside_their_own_directory(start_supervisor, isola
     wait_until(lambda: connections_settled(supervisor))
     owners = {owner for owner, _ in LOOKALIKE_NAMES}
     assert set(os.listdir(supervisor.workspace_root)) == owners | {".corral-identities.lock"}
-    assert sorted(os.listdir(supervisor.state_dir)) == state_before
+    # The only new state is the lifecycle records (supervisor.workspaces), one per
+    # conversation, at <state_dir>/lifecycle/<owner>/<conversation>.
+    assert sorted(set(os.listdir(supervisor.state_dir)) - {"lifecycle"}) == sorted(
+        set(state_before) - {"lifecycle"})
+    lifecycle = os.path.join(supervisor.state_dir, "lifecycle")
+    assert {(o, c) for o in os.listdir(lifecycle) for c in os.listdir(os.path.join(lifecycle, o))
+            } == set(LOOKALIKE_NAMES)
     wait_until(lambda: conversation_cgroups(supervisor) == [])
     for directory, files in cgroup_files_before.items():
         assert sorted(os.listdir(directory)) == files

@@ -156,6 +156,10 @@ def test_symlink_swaps_never_redirect_roots_mkdir_or_chown(supervisor):
     outside_after = {
         path: meta[:3] for path, meta in tree_snapshot(supervisor.base, skip=owner_dir).items()
     }
+    # The one expected change: root's lifecycle record of the conversation
+    # (supervisor.workspaces), a regular file named after the validated name.
+    record = os.path.join(supervisor.state_dir, "lifecycle", owner, "race")
+    assert outside_after.pop(record, (0, 0, 0o100600))[:3] == (0, 0, 0o100600)
     changed = {
         path: (outside_before.get(path), outside_after.get(path))
         for path in set(outside_before) | set(outside_after)
