@@ -462,3 +462,24 @@ def test_an_interrupted_deletion_is_finished_at_the_next_start(s3_supervisor, st
         assert [e for e in events(second, "workspace_deleted") if e["reason"] == "resumed"]
     finally:
         second.stop()
+
+
+def test_a_host_switches_from_local_to_s3_with_configuration_alone(
+        start_supervisor, isolation, s3_location, store):
+    """Stop a local supervisor, start it again with storage = s3: the work is kept and stored."""
+    local = start_supervisor(isolation)
+    with Session.connect(local.socket, "gina", "switch") as session:
+        session.initialize()
+        write(session, "kept/notes.txt", "written under local")
+    local.stop()
+    endpoint = {"CORRAL_S3_ENDPOINT_URL": os.environ["CORRAL_S3_ENDPOINT_URL"]}
+    s3 = RunningSupervisor(isolation, ["--storage", f"s3:{s3_location}"], endpoint,
+                           base=local.base).start()
+    try:
+        with Session.connect(s3.socket, "gina", "switch") as session:
+            session.initialize()
+            assert session.call_tool("read", {"path": "kept/notes.txt"})["content"][0][
+                "text"] == "written under local"
+            assert "kept/notes.txt" in store.paths("gina", "switch")
+    finally:
+        s3.stop()
