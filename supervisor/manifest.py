@@ -28,7 +28,7 @@ import shutil
 import stat
 import tempfile
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from attrs import Factory, define, frozen
 
@@ -207,8 +207,7 @@ def run_all(executor: Executor, fn: Callable, items: Iterable) -> list:
 # --- the local side -------------------------------------------------------
 
 
-@frozen
-class LocalEntry:
+class LocalEntry(NamedTuple):
     """What an ``lstat`` walk found at one path of the workspace."""
 
     path: str
@@ -222,8 +221,7 @@ class LocalEntry:
     target: str = ""
 
 
-@frozen
-class Stamp:
+class Stamp(NamedTuple):
     """What a regular file looked like when its hash was last known."""
 
     size: int
@@ -234,8 +232,8 @@ class Stamp:
 
     def matches(self, local: LocalEntry) -> bool:
         """True when ``local`` is unchanged since (size and mtime, plus ctime and inode, which a tenant cannot set back)."""
-        return (self.size, self.mtime_ns, self.ctime_ns, self.ino) == (
-            local.size, local.mtime_ns, local.ctime_ns, local.ino)
+        return (self.size == local.size and self.mtime_ns == local.mtime_ns
+                and self.ctime_ns == local.ctime_ns and self.ino == local.ino)
 
 
 def _stamp(st: os.stat_result, sha256: str) -> Stamp:
@@ -393,7 +391,7 @@ def scan_tree(root_fd: int) -> dict:
                             continue
                     else:
                         kind = OTHER
-                    found[path] = LocalEntry(path, kind, stat.S_IMODE(mode) & 0o777, st.st_size,
+                    found[path] = LocalEntry(path, kind, mode & 0o777, st.st_size,
                                              st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
                                              st.st_uid, target)
                     if kind == DIRECTORY:
@@ -460,24 +458,26 @@ def plan_sync(root_fd: int, state: SyncState, uid: int) -> SyncPlan:
     """Walk the workspace and build its manifest, hashing only files whose stamp changed.
 
     As root, regular files not owned by ``uid``, and FIFOs, sockets and
-    devices, are left out (counted in ``skipped``).
+    devices, are left out (counted in ``skipped``). An entry equal to the
+    base manifest's is that very object, so comparing the two is cheap.
     """
     enforce = owner_uid_to_enforce(uid)
     scan = scan_tree(root_fd)
+    base = state.manifest.by_path()
+    known = state.stamps
     entries, stamps = [], {}
     hashed = skipped = 0
     dirs = _DirCache(root_fd)
     try:
-        for path, local in sorted(scan.items()):
-            if local.kind == DIRECTORY:
-                entries.append(Entry(path, DIRECTORY, mode=local.mode))
-            elif local.kind == SYMLINK:
-                entries.append(Entry(path, SYMLINK, target=local.target))
-            elif local.kind == FILE:
+        for path in sorted(scan):
+            local = scan[path]
+            kind = local.kind
+            before = base.get(path)
+            if kind == FILE:
                 if enforce is not None and local.uid != enforce:
                     skipped += 1
                     continue
-                stamp = state.stamps.get(path)
+                stamp = known.get(path)
                 if stamp is None or not stamp.matches(local):
                     parent, name = _split(path)
                     try:
@@ -496,15 +496,28 @@ def plan_sync(root_fd: int, state: SyncState, uid: int) -> SyncPlan:
                     local = LocalEntry(path, FILE, stat.S_IMODE(st.st_mode) & 0o777, size,
                                        st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_uid)
                 stamps[path] = stamp
-                entries.append(Entry(path, FILE, mode=local.mode, size=stamp.size,
-                                     sha256=stamp.sha256, mtime_ns=local.mtime_ns))
+                if (before is None or before.kind != FILE or before.sha256 != stamp.sha256
+                        or before.size != stamp.size or before.mode != local.mode
+                        or before.mtime_ns != local.mtime_ns):
+                    before = Entry(path, FILE, mode=local.mode, size=stamp.size,
+                                   sha256=stamp.sha256, mtime_ns=local.mtime_ns)
+                entries.append(before)
+            elif kind == DIRECTORY:
+                if before is None or before.kind != DIRECTORY or before.mode != local.mode:
+                    before = Entry(path, DIRECTORY, mode=local.mode)
+                entries.append(before)
+            elif kind == SYMLINK:
+                if before is None or before.kind != SYMLINK or before.target != local.target:
+                    before = Entry(path, SYMLINK, target=local.target)
+                entries.append(before)
             else:
                 skipped += 1
     finally:
         dirs.close()
-    # A directory left out (never) or a skipped file never orphans an entry:
-    # every entry's parent is a directory entry because the walk found it.
-    return SyncPlan(Manifest.of(entries), stamps, scan, hashed, skipped)
+    # Sorted by path already (the same order Manifest.of gives). A skipped
+    # file never orphans an entry: every entry's parent is a directory entry
+    # because the walk found it.
+    return SyncPlan(Manifest(tuple(entries)), stamps, scan, hashed, skipped)
 
 
 @frozen
