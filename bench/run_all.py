@@ -13,7 +13,9 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = ["bench_start", "bench_bash", "bench_relay", "bench_memory", "bench_cgroups"]
+BENCHMARKS = [
+    "bench_start", "bench_bash", "bench_relay", "bench_memory", "bench_cgroups", "bench_storage",
+]
 
 
 def main() -> int:
@@ -23,7 +25,7 @@ def main() -> int:
         if subprocess.run([sys.executable, "-m", f"bench.{name}", *sys.argv[1:]], cwd=REPO).returncode:
             failed.append(name)
     print("== summary")
-    for name in ("start", "bash", "relay", "memory", "cgroups"):
+    for name in ("start", "bash", "relay", "memory", "cgroups", "storage"):
         path = os.path.join(REPO, "bench", "results", f"{name}.json")
         if os.path.exists(path):
             with open(path) as f:

@@ -414,9 +414,19 @@ class S3Storage:
             try:
                 state = self._load_state(identity.owner, conversation)
                 loaded = (state.etag, state.manifest, state.stamps, state.conflict_saved)
-                plan, committed, _ = self._commit_local(root_fd, identity, conversation, state,
-                                                        conflict_ok=True)
-                remote, etag = self._get_manifest(identity.owner, conversation, state.etag)
+                # Ask the store while the workspace is walked; a commit made by
+                # the walk's changes moves the ETag, and then the answer is asked again.
+                asked = self._transfers.submit(
+                    self._get_manifest, identity.owner, conversation, state.etag)
+                try:
+                    plan, committed, _ = self._commit_local(
+                        root_fd, identity, conversation, state, conflict_ok=True)
+                finally:
+                    early = _outcome(asked)
+                if state.etag == loaded[0] and not isinstance(early, BaseException):
+                    remote, etag = early
+                else:
+                    remote, etag = self._get_manifest(identity.owner, conversation, state.etag)
                 result = mf.HydrateResult(stamps=plan.stamps)
                 if etag is None:
                     # No manifest in the store (new, or removed there): keep the
@@ -427,9 +437,13 @@ class S3Storage:
                                         identity.gid, self._fetcher(identity.owner),
                                         self._transfers, scan=plan.scan)
                     state.etag, state.manifest = etag, remote
+                    # The directory changed under the plan: the next one starts afresh.
+                    state.plan = None
                 state.stamps = result.stamps
                 if (state.etag, state.manifest, state.stamps, state.conflict_saved) != loaded:
                     self._save_state(identity.owner, conversation, state)
+                else:
+                    self._remember_plan(identity.owner, conversation, state.plan)
             finally:
                 os.close(root_fd)
         stats = HydrateStats(result.downloaded, result.bytes_downloaded, result.removed,
@@ -479,7 +493,8 @@ class S3Storage:
         SyncConflict is raised unless ``conflict_ok``.
         """
         owner = identity.owner
-        plan = mf.plan_sync(root_fd, state, identity.uid)
+        plan = mf.plan_sync(root_fd, state, identity.uid, previous=state.plan)
+        state.plan = plan
         uploads = []
         committed = False
         if plan.changed(state.manifest) or (state.etag is None and plan.manifest.entries):
@@ -514,6 +529,7 @@ class S3Storage:
                 self._save_state(owner, conversation, state)
         else:
             state.stamps = plan.stamps
+            self._remember_plan(owner, conversation, plan)
         return plan, committed, uploads
 
     def _upload(self, root_fd, identity, plan, known: set) -> list:
@@ -547,7 +563,7 @@ class S3Storage:
                 return False
             try:
                 state = self._load_state(owner, conversation)
-                plan = mf.plan_sync(root_fd, state, identity.uid)
+                plan = mf.plan_sync(root_fd, state, identity.uid, previous=state.plan)
             finally:
                 os.close(root_fd)
             committed = state.etag is not None or not plan.manifest.entries
@@ -919,6 +935,13 @@ class S3Storage:
         self._remember((owner, conversation),
                        ((st.st_ino, st.st_size, st.st_mtime_ns), _copy_state(state)))
 
+    def _remember_plan(self, owner: str, conversation: str, plan) -> None:
+        """Keep ``plan`` with the cached state (the state file itself did not change)."""
+        with self._locks_guard:
+            cached = self._states.get((owner, conversation))
+            if cached is not None:
+                cached[1].plan = plan
+
     def _remember(self, key, cached) -> None:
         """Make ``cached`` the most recent state of ``key`` (None: forget it); keep within budget."""
         with self._locks_guard:
@@ -944,9 +967,18 @@ class S3Storage:
         return path
 
 
+def _outcome(future):
+    """A finished future's result, or the exception it raised (waiting for it first)."""
+    try:
+        return future.result()
+    except BaseException as error:  # noqa: B036 (returned, and re-raised by a retry)
+        return error
+
+
 def _copy_state(state):
     """A SyncState whose fields a caller may replace without touching ``state`` (a manifest is immutable)."""
-    return mf.SyncState(state.etag, state.manifest, dict(state.stamps), state.conflict_saved)
+    return mf.SyncState(state.etag, state.manifest, dict(state.stamps), state.conflict_saved,
+                        state.plan)
 
 
 def _committed_only(stats: SyncStats):

@@ -18,6 +18,7 @@ to someone else's file) is neither uploaded nor chowned.
 All functions block; callers run them in a worker thread.
 """
 
+import bisect
 import errno
 import hashlib
 import json
@@ -30,7 +31,7 @@ import tempfile
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from typing import Callable, Iterable, NamedTuple
 
-from attrs import Factory, define, frozen
+from attrs import Factory, define, field, frozen
 
 #: The ``format`` and ``version`` fields of every manifest this code writes.
 FORMAT = "corral-manifest"
@@ -249,6 +250,9 @@ class SyncState:
     stamps: dict = Factory(dict)
     #: SHA-256 of the last manifest saved as a conflict copy (not saved twice).
     conflict_saved: str | None = None
+    #: The last SyncPlan of the workspace, in memory only (never saved): the
+    #: next plan decides again only what the walk finds changed since.
+    plan: object = field(default=None, eq=False, repr=False)
 
     def to_bytes(self) -> bytes:
         """The state file's bytes."""
@@ -363,9 +367,25 @@ def _split(path: str) -> tuple[str, str]:
     return parent, name
 
 
-def scan_tree(root_fd: int) -> dict:
-    """``{path: LocalEntry}`` for everything below ``root_fd``, by ``lstat``, never following a symlink."""
+_KINDS = {0o100000: FILE, 0o040000: DIRECTORY, 0o120000: SYMLINK}
+
+
+def _push_child(stack: list, fd: int, name: str, path: str) -> None:
+    try:
+        child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except OSError:
+        return  # replaced by something else meanwhile
+    stack.append((path + "/", child))
+
+
+def scan_tree(root_fd: int, seen: dict | None = None, changed: list | None = None) -> dict:
+    """``{path: LocalEntry}`` for everything below ``root_fd``, by ``lstat``, never following a symlink.
+
+    With ``seen`` (an earlier scan) and ``changed`` (a list), the paths whose
+    entry differs from ``seen`` are appended to ``changed`` during the walk.
+    """
     found = {}
+    compare = seen is not None and changed is not None
     stack = [("", os.dup(root_fd))]
     while stack:
         prefix, fd = stack.pop()
@@ -378,28 +398,34 @@ def scan_tree(root_fd: int) -> dict:
                     except FileNotFoundError:
                         continue
                     mode = st.st_mode
+                    fmt = mode & 0o170000
+                    kind = _KINDS.get(fmt, OTHER)
+                    if compare:
+                        # The inode's ctime changes with its content, mode, owner
+                        # and links (a symlink's target never changes in place):
+                        # an equal lstat means the earlier entry still holds.
+                        prev = seen.get(path)
+                        if (prev is not None and prev[5] == st.st_ctime_ns
+                                and prev[6] == st.st_ino and prev[4] == st.st_mtime_ns
+                                and prev[3] == st.st_size and prev[1] is kind
+                                and prev[2] == mode & 0o777 and prev[7] == st.st_uid):
+                            found[path] = prev
+                            if fmt == 0o040000:
+                                _push_child(stack, fd, item.name, path)
+                            continue
                     target = ""
-                    if stat.S_ISREG(mode):
-                        kind = FILE
-                    elif stat.S_ISDIR(mode):
-                        kind = DIRECTORY
-                    elif stat.S_ISLNK(mode):
-                        kind = SYMLINK
+                    if fmt == 0o120000:
                         try:
                             target = os.readlink(item.name, dir_fd=fd)
                         except OSError:
                             continue
-                    else:
-                        kind = OTHER
                     found[path] = LocalEntry(path, kind, mode & 0o777, st.st_size,
                                              st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
                                              st.st_uid, target)
+                    if compare:
+                        changed.append(path)
                     if kind == DIRECTORY:
-                        try:
-                            child = os.open(item.name, _DIR_FLAGS, dir_fd=fd)
-                        except OSError:
-                            continue  # replaced by something else meanwhile
-                        stack.append((path + "/", child))
+                        _push_child(stack, fd, item.name, path)
         finally:
             os.close(fd)
     return found
@@ -448,76 +474,167 @@ class SyncPlan:
     scan: dict
     hashed: int = 0
     skipped: int = 0
+    #: ``{path: LocalEntry}`` whose outcome (its entry, or being left out) this
+    #: plan decided from that ``lstat`` alone; the next plan reuses it while
+    #: the walk finds the same values. Paths hashed while changing are absent.
+    seen: dict | None = None
+    #: The uid files had to belong to (None when not root).
+    enforce: int | None = None
 
     def changed(self, base: Manifest) -> bool:
         """True when this plan's manifest differs from ``base``."""
         return self.manifest != base
 
 
-def plan_sync(root_fd: int, state: SyncState, uid: int) -> SyncPlan:
+def _plan_one(path, local, before, stamp, enforce, dirs):
+    """Decide one walked path: ``(entry or None, stamp or None, reusable local or None, hashed)``.
+
+    ``before`` is the base manifest's entry at ``path``, reused when equal so
+    that comparing manifests stays cheap; ``stamp`` is the last known stamp.
+    The reusable local is None when the outcome must be decided again next
+    time (the file vanished or changed while it was read).
+    """
+    kind = local.kind
+    if kind == FILE:
+        if enforce is not None and local.uid != enforce:
+            return None, None, local, 0
+        hashed = 0
+        if stamp is None or not stamp.matches(local):
+            parent, name = _split(path)
+            try:
+                fd, st = _open_regular(dirs.get(parent), name, enforce)
+            except OSError:
+                return None, None, None, 0  # gone, replaced or not the owner's meanwhile
+            try:
+                sha, size = _hash_fd(fd)
+            finally:
+                os.close(fd)
+            hashed = 1
+            stamp = _stamp(st, sha)
+            local = LocalEntry(path, FILE, stat.S_IMODE(st.st_mode) & 0o777, size,
+                               st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_uid)
+            if size != st.st_size:
+                stamp = Stamp(size, -1, -1, -1, sha)  # changed while read: rehash next time
+        if (before is None or before.kind != FILE or before.sha256 != stamp.sha256
+                or before.size != stamp.size or before.mode != local.mode
+                or before.mtime_ns != local.mtime_ns):
+            before = Entry(path, FILE, mode=local.mode, size=stamp.size,
+                           sha256=stamp.sha256, mtime_ns=local.mtime_ns)
+        return before, stamp, (None if stamp.mtime_ns == -1 else local), hashed
+    if kind == DIRECTORY:
+        if before is None or before.kind != DIRECTORY or before.mode != local.mode:
+            before = Entry(path, DIRECTORY, mode=local.mode)
+        return before, None, local, 0
+    if kind == SYMLINK:
+        if before is None or before.kind != SYMLINK or before.target != local.target:
+            before = Entry(path, SYMLINK, target=local.target)
+        return before, None, local, 0
+    return None, None, local, 0
+
+
+def plan_sync(root_fd: int, state: SyncState, uid: int,
+              previous: SyncPlan | None = None) -> SyncPlan:
     """Walk the workspace and build its manifest, hashing only files whose stamp changed.
 
     As root, regular files not owned by ``uid``, and FIFOs, sockets and
     devices, are left out (counted in ``skipped``). An entry equal to the
     base manifest's is that very object, so comparing the two is cheap.
+
+    With ``previous`` (the last plan of this workspace, kept in memory),
+    only paths whose ``lstat`` differs from what that plan saw are decided
+    again: change detection then costs little more than the walk.
     """
     enforce = owner_uid_to_enforce(uid)
-    scan = scan_tree(root_fd)
+    if previous is not None and previous.seen is not None and previous.enforce == enforce:
+        changed: list = []
+        scan = scan_tree(root_fd, previous.seen, changed)
+        plan = _plan_incrementally(root_fd, scan, changed, state, enforce, previous)
+        if plan is not None:
+            return plan
+    else:
+        scan = scan_tree(root_fd)
     base = state.manifest.by_path()
     known = state.stamps
-    entries, stamps = [], {}
-    hashed = skipped = 0
+    entries, stamps, seen = [], {}, {}
+    hashed = 0
     dirs = _DirCache(root_fd)
     try:
         for path in sorted(scan):
-            local = scan[path]
-            kind = local.kind
-            before = base.get(path)
-            if kind == FILE:
-                if enforce is not None and local.uid != enforce:
-                    skipped += 1
-                    continue
-                stamp = known.get(path)
-                if stamp is None or not stamp.matches(local):
-                    parent, name = _split(path)
-                    try:
-                        fd, st = _open_regular(dirs.get(parent), name, enforce)
-                    except OSError:
-                        skipped += 1  # gone, replaced or not the owner's meanwhile
-                        continue
-                    try:
-                        sha, size = _hash_fd(fd)
-                    finally:
-                        os.close(fd)
-                    hashed += 1
-                    stamp = _stamp(st, sha)
-                    if size != st.st_size:
-                        stamp = Stamp(size, -1, -1, -1, sha)  # changed while read: rehash next time
-                    local = LocalEntry(path, FILE, stat.S_IMODE(st.st_mode) & 0o777, size,
-                                       st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_uid)
+            entry, stamp, reusable, did_hash = _plan_one(
+                path, scan[path], base.get(path), known.get(path), enforce, dirs)
+            hashed += did_hash
+            if entry is not None:
+                entries.append(entry)
+            if stamp is not None:
                 stamps[path] = stamp
-                if (before is None or before.kind != FILE or before.sha256 != stamp.sha256
-                        or before.size != stamp.size or before.mode != local.mode
-                        or before.mtime_ns != local.mtime_ns):
-                    before = Entry(path, FILE, mode=local.mode, size=stamp.size,
-                                   sha256=stamp.sha256, mtime_ns=local.mtime_ns)
-                entries.append(before)
-            elif kind == DIRECTORY:
-                if before is None or before.kind != DIRECTORY or before.mode != local.mode:
-                    before = Entry(path, DIRECTORY, mode=local.mode)
-                entries.append(before)
-            elif kind == SYMLINK:
-                if before is None or before.kind != SYMLINK or before.target != local.target:
-                    before = Entry(path, SYMLINK, target=local.target)
-                entries.append(before)
-            else:
-                skipped += 1
+            if reusable is not None:
+                seen[path] = reusable
     finally:
         dirs.close()
     # Sorted by path already (the same order Manifest.of gives). A skipped
     # file never orphans an entry: every entry's parent is a directory entry
     # because the walk found it.
-    return SyncPlan(Manifest(tuple(entries)), stamps, scan, hashed, skipped)
+    return SyncPlan(Manifest(tuple(entries)), stamps, scan, hashed, len(scan) - len(entries),
+                    seen, enforce)
+
+
+def _plan_incrementally(root_fd, scan, changed, state, enforce, previous) -> SyncPlan | None:
+    """``previous`` updated with the paths whose ``lstat`` changed; None when too many did.
+
+    The entries stay a sorted list edited in place by bisection, so the cost
+    beyond the walk is one comparison per path plus the changed paths' own.
+    """
+    seen = previous.seen
+    # Unchanged paths are in ``seen``; when they and the changed ones that were
+    # there too account for all of it, nothing is gone (no set difference).
+    modified = sum(1 for path in changed if path in seen)
+    gone = (seen.keys() - scan.keys()
+            if len(scan) - len(changed) + modified != len(seen) else ())
+    if not changed and not gone:
+        return SyncPlan(previous.manifest, previous.stamps, scan, 0, previous.skipped,
+                        seen, enforce)
+    if len(changed) + len(gone) > min(1000, len(scan) // 4):
+        return None
+    entries = list(previous.manifest.entries)
+    stamps = dict(previous.stamps)
+    seen = dict(seen)
+    base = state.manifest.entries
+    hashed = 0
+    for path in gone:
+        _remove_entry(entries, path)
+        stamps.pop(path, None)
+        del seen[path]
+    dirs = _DirCache(root_fd)
+    try:
+        for path in sorted(changed):
+            stamp = stamps.pop(path, None) or state.stamps.get(path)
+            _remove_entry(entries, path)
+            seen.pop(path, None)
+            i = bisect.bisect_left(base, path, key=_entry_path)
+            before = base[i] if i < len(base) and base[i].path == path else None
+            entry, stamp, reusable, did_hash = _plan_one(
+                path, scan[path], before, stamp, enforce, dirs)
+            hashed += did_hash
+            if entry is not None:
+                bisect.insort(entries, entry, key=_entry_path)
+            if stamp is not None:
+                stamps[path] = stamp
+            if reusable is not None:
+                seen[path] = reusable
+    finally:
+        dirs.close()
+    return SyncPlan(Manifest(tuple(entries)), stamps, scan, hashed, len(scan) - len(entries),
+                    seen, enforce)
+
+
+def _remove_entry(entries: list, path: str) -> None:
+    i = bisect.bisect_left(entries, path, key=_entry_path)
+    if i < len(entries) and entries[i].path == path:
+        del entries[i]
+
+
+def _entry_path(entry) -> str:
+    return entry.path
 
 
 @frozen
@@ -587,6 +704,8 @@ def upload_missing(root_fd: int, plan: SyncPlan, known: set, uid: int,
         plan.manifest = Manifest.of(entries)
         for path, done in replaced.items():
             plan.stamps[path] = Stamp(done.size, -1, -1, -1, done.sha256)
+            if plan.seen is not None:
+                plan.seen.pop(path, None)  # decide it again next time
     return uploads
 
 

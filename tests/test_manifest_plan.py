@@ -1,0 +1,107 @@
+"""Incremental change detection: a plan built on the previous one equals a fresh plan."""
+
+import os
+import random
+import shutil
+
+import pytest
+
+from supervisor import manifest as mf
+
+
+def _fresh(root_fd, state):
+    return mf.plan_sync(root_fd, state, os.getuid())
+
+
+def _mutate(root: str, rng: random.Random) -> None:
+    files = []
+    dirs = [root]
+    for directory, subdirs, names in os.walk(root):
+        dirs += [os.path.join(directory, d) for d in subdirs]
+        files += [os.path.join(directory, n) for n in names]
+    action = rng.choice(["write", "same-size", "add", "mkdir", "rmdir", "chmod", "link",
+                         "unlink", "to-dir", "touch-back"])
+    if action in ("write", "same-size", "chmod", "unlink", "to-dir", "touch-back") and not files:
+        action = "add"
+    if action == "write":
+        with open(rng.choice(files), "ab") as f:
+            f.write(os.urandom(rng.randint(1, 64)))
+    elif action == "same-size":
+        # Same size, mtime set back: only ctime (and the content) tell.
+        path = rng.choice(files)
+        st = os.lstat(path)
+        if os.path.islink(path):
+            return
+        with open(path, "r+b") as f:
+            data = f.read()
+            f.seek(0)
+            f.write(bytes(b ^ 0xFF for b in data) or b"x")
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    elif action == "add":
+        with open(os.path.join(rng.choice(dirs), f"f{rng.randint(0, 10**6)}"), "wb") as f:
+            f.write(os.urandom(rng.randint(0, 64)))
+    elif action == "mkdir":
+        os.makedirs(os.path.join(rng.choice(dirs), f"d{rng.randint(0, 10**6)}", "inner"),
+                    exist_ok=True)
+    elif action == "rmdir" and len(dirs) > 1:
+        shutil.rmtree(rng.choice(dirs[1:]), ignore_errors=True)
+    elif action == "chmod" and not os.path.islink(files[0]):
+        os.chmod(rng.choice([f for f in files if not os.path.islink(f)] or dirs),
+                 rng.choice([0o600, 0o644, 0o755]))
+    elif action == "link":
+        os.symlink(rng.choice(["/etc/shadow", "a", "../b"]),
+                   os.path.join(rng.choice(dirs), f"l{rng.randint(0, 10**6)}"))
+    elif action == "unlink":
+        os.unlink(rng.choice(files))
+    elif action == "to-dir":
+        path = rng.choice(files)
+        os.unlink(path)
+        os.mkdir(path)
+    elif action == "touch-back":
+        path = rng.choice(files)
+        if not os.path.islink(path):
+            os.utime(path, ns=(0, 0))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_incremental_plans_equal_fresh_plans(tmp_path, seed):
+    rng = random.Random(seed)
+    root = tmp_path / "ws"
+    root.mkdir()
+    for i in range(30):
+        (root / f"f{i}").write_bytes(os.urandom(i))
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        state = mf.SyncState()
+        plan = mf.plan_sync(fd, state, os.getuid())
+        state = mf.SyncState(manifest=plan.manifest, stamps=plan.stamps, plan=plan)
+        for _ in range(40):
+            for _ in range(rng.randint(0, 3)):
+                _mutate(str(root), rng)
+            plan = mf.plan_sync(fd, state, os.getuid(), previous=state.plan)
+            fresh = mf.plan_sync(fd, mf.SyncState(), os.getuid())
+            assert plan.manifest == fresh.manifest
+            assert {p: s.sha256 for p, s in plan.stamps.items()} == {
+                p: s.sha256 for p, s in fresh.stamps.items()}
+            if rng.random() < 0.5:  # committed, or not: both must hold
+                state = mf.SyncState(manifest=plan.manifest, stamps=plan.stamps, plan=plan)
+            else:
+                state.plan = plan
+    finally:
+        os.close(fd)
+
+
+def test_an_unchanged_walk_reuses_the_plan(tmp_path):
+    """Nothing changed: no hashing and the very same manifest object."""
+    (tmp_path / "a").write_bytes(b"a")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        first = mf.plan_sync(fd, mf.SyncState(), os.getuid())
+        state = mf.SyncState(manifest=first.manifest, stamps=first.stamps, plan=first)
+        again = mf.plan_sync(fd, state, os.getuid(), previous=first)
+        assert again.manifest is first.manifest and again.hashed == 0
+        (tmp_path / "b").write_bytes(b"b")
+        third = mf.plan_sync(fd, state, os.getuid(), previous=again)
+        assert third.hashed == 1 and [e.path for e in third.manifest.entries] == ["a", "b"]
+    finally:
+        os.close(fd)
