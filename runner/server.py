@@ -39,7 +39,7 @@ usage: runner --workspace DIR [--bash-timeout SECONDS] [--bash-max-timeout SECON
               [--max-output-lines N] [--max-output-bytes N]
               [--max-read-bytes N] [--max-edit-bytes N] [--subreaper] [--setsid]
               [--oom-events FILE] [--memory-limit N] [--no-userns]
-              [--max-spill-bytes N] [--events-fd FD --answers-fd FD]
+              [--max-spill-bytes N] [--events-fd FD --answers-fd FD [--change-events]]
 
   --max-read-bytes N  read refuses text files larger than N bytes (default 67108864, 64 MiB)
   --max-edit-bytes N  edit refuses files larger than N bytes (default 16777216, 16 MiB)
@@ -54,6 +54,8 @@ usage: runner --workspace DIR [--bash-timeout SECONDS] [--bash-max-timeout SECON
                       there when a tool call that may have changed files ends, and
                       forwards corral/checkpoint requests
   --answers-fd FD     where the supervisor answers checkpoints
+  --change-events     also write a line on the events fd after each bash, write or
+                      edit call (the supervisor syncs the workspace soon after)
 """
 
 #: The side channel's messages (one JSON line each; see docs/protocol.md).
@@ -80,7 +82,7 @@ class Options:
                  max_read_bytes=64 * 1024 * 1024, max_edit_bytes=16 * 1024 * 1024,
                  subreaper=False, setsid=False, oom_events=None, memory_limit=None,
                  no_userns=False, max_spill_bytes=256 * 1024 * 1024,
-                 events_fd=None, answers_fd=None):
+                 events_fd=None, answers_fd=None, change_events=False):
         self.workspace = workspace
         self.bash_timeout = bash_timeout
         self.bash_max_timeout = bash_max_timeout
@@ -103,6 +105,8 @@ class Options:
         #: The side channel: events to the supervisor, its answers back (or None).
         self.events_fd = events_fd
         self.answers_fd = answers_fd
+        #: Tell the supervisor after each call that may have changed files.
+        self.change_events = change_events
 
 
 # option -> (attribute, type); every one takes a value that must be positive.
@@ -120,7 +124,8 @@ _VALUE_OPTIONS = {
     "--events-fd": ("events_fd", int),
     "--answers-fd": ("answers_fd", int),
 }
-_FLAG_OPTIONS = {"--subreaper": "subreaper", "--setsid": "setsid", "--no-userns": "no_userns"}
+_FLAG_OPTIONS = {"--subreaper": "subreaper", "--setsid": "setsid", "--no-userns": "no_userns",
+                 "--change-events": "change_events"}
 
 
 def parse_options(argv):
@@ -156,6 +161,8 @@ def parse_options(argv):
         raise UsageError("--workspace DIR is required")
     if ("events_fd" in values) != ("answers_fd" in values):
         raise UsageError("--events-fd and --answers-fd go together")
+    if values.get("change_events") and "events_fd" not in values:
+        raise UsageError("--change-events needs --events-fd")
     values["workspace"] = os.path.abspath(values["workspace"])
     return Options(**values)
 
@@ -444,11 +451,12 @@ class Server:
             # Forget the id before answering: a client may reuse it at once.
             with self._calls_lock:
                 del self._calls[key]
-            if name in CHANGING_TOOLS:
-                self.notify_changed()
         try:
             self.send(message)
         finally:
+            # After the answer, so a client waiting for it is not made to wait for this.
+            if name in CHANGING_TOOLS:
+                self.notify_changed()
             self._call_finished()
 
     def _call_finished(self):
@@ -470,7 +478,7 @@ class Server:
         Never blocks: the events pipe is non-blocking and a full pipe means
         the supervisor already has a notice to act on.
         """
-        if self.options.events_fd is not None:
+        if self.options.change_events:
             try:
                 os.write(self.options.events_fd, CHANGED_EVENT)
             except OSError:

@@ -406,6 +406,7 @@ class ConversationProtocol(Protocol):
                 str(EVENTS_FD),
                 "--answers-fd",
                 str(ANSWERS_FD),
+                *(("--change-events",) if supervisor.storage.background_sync else ()),
             ),
             env=runner_env(self.workspace),
             tmp_size=tmpfs_size(config.tmp_size, limits, self.cgroup is not None),

@@ -31,7 +31,8 @@ def channel(tmp_path):
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     runner = RunnerProcess(workspace, "--events-fd", str(events_write), "--answers-fd",
-                           str(answers_read), pass_fds=(events_write, answers_read))
+                           str(answers_read), "--change-events",
+                           pass_fds=(events_write, answers_read))
     os.close(events_write)
     os.close(answers_read)
     yield runner, events_read, answers_write
@@ -114,3 +115,20 @@ def test_the_options_go_together(tmp_path):
     runner = RunnerProcess(tmp_path, "--events-fd", "5")
     assert runner.process.wait(10) == 2
     wait_until(lambda: b"go together" in runner.stderr)
+
+
+def test_change_events_only_when_asked(tmp_path):
+    """Without --change-events (a backend that needs no syncs) nothing is written per call."""
+    events_read, events_write = os.pipe()
+    answers_read, answers_write = os.pipe()
+    runner = RunnerProcess(tmp_path, "--events-fd", str(events_write), "--answers-fd",
+                           str(answers_read), pass_fds=(events_write, answers_read))
+    os.close(events_write)
+    os.close(answers_read)
+    try:
+        runner.call_tool("write", {"path": "a.txt", "content": "a"})
+        assert _nothing_to_read(events_read)
+    finally:
+        runner.stop()
+        os.close(events_read)
+        os.close(answers_write)
