@@ -662,38 +662,71 @@ def upload_missing(root_fd: int, plan: SyncPlan, known: set, uid: int,
     updated to what was actually uploaded.
     """
     enforce = owner_uid_to_enforce(uid)
-    first_path = {}
+    paths_of = {}
     for entry in plan.manifest.entries:
         if entry.kind == FILE and entry.sha256 not in known:
-            first_path.setdefault(entry.sha256, entry.path)
-    candidates = list(first_path.items())
+            paths_of.setdefault(entry.sha256, []).append(entry.path)
+    candidates = list(paths_of.items())
     present = run_all(executor, lambda item: blob_exists(item[0]), candidates)
     missing = [item for item, there in zip(candidates, present) if not there]
 
-    def upload(item):
-        expected, path = item
+    def open_path(path):
+        """``path`` opened if it still is a regular file of the owner's, else None."""
         parent, name = _split(path)
-        dir_fd = open_dir(root_fd, parent.split("/") if parent else ())
         try:
-            fd, _ = _open_regular(dir_fd, name, enforce)
-        finally:
-            os.close(dir_fd)
-        with tempfile.SpooledTemporaryFile(SPOOL_MEMORY, dir=spool_dir) as spool:
+            dir_fd = open_dir(root_fd, parent.split("/") if parent else ())
             try:
-                sha, size = _hash_fd(fd, spool)
+                fd, _ = _open_regular(dir_fd, name, enforce)
             finally:
-                os.close(fd)
-            spool.seek(0)
-            if sha == expected or not blob_exists(sha):
-                put_blob(sha, spool, size)
-        return path, expected, Upload(sha, size)
+                os.close(dir_fd)
+        except OSError:
+            return None  # renamed, removed or replaced since the walk
+        return fd
+
+    def upload(item):
+        """Upload the blob ``expected`` from the first of its paths that still holds it.
+
+        Paths whose bytes changed meanwhile get their own blob (``replaced``);
+        paths that went are ``gone``. A committed manifest never names a blob
+        that was not stored.
+        """
+        expected, paths = item
+        done, replaced_here, gone = [], {}, []
+        for path in paths:
+            fd = open_path(path)
+            if fd is None:
+                gone.append(path)
+                continue
+            with tempfile.SpooledTemporaryFile(SPOOL_MEMORY, dir=spool_dir) as spool:
+                try:
+                    sha, size = _hash_fd(fd, spool)
+                finally:
+                    os.close(fd)
+                spool.seek(0)
+                if sha == expected or not blob_exists(sha):
+                    put_blob(sha, spool, size)
+            done.append(Upload(sha, size))
+            if sha == expected:
+                return done, replaced_here, gone  # the remaining paths keep this blob
+            replaced_here[path] = done[-1]
+        return done, replaced_here, gone
 
     uploads = []
     replaced = {}
-    for path, expected, done in run_all(executor, upload, missing):
-        uploads.append(done)
-        if done.sha256 != expected:
-            replaced[path] = done
+    vanished = set()
+    for done, replaced_here, gone in run_all(executor, upload, missing):
+        # Files that went while the sync ran are left out of this manifest; the
+        # next sync decides those paths again.
+        uploads += done
+        replaced.update(replaced_here)
+        vanished.update(gone)
+    if vanished:
+        plan.manifest = Manifest(tuple(e for e in plan.manifest.entries
+                                       if e.path not in vanished))
+        for path in vanished:
+            plan.stamps.pop(path, None)
+            if plan.seen is not None:
+                plan.seen.pop(path, None)
     if replaced:
         entries = [
             Entry(e.path, FILE, mode=e.mode, size=replaced[e.path].size,

@@ -483,3 +483,46 @@ def test_a_host_switches_from_local_to_s3_with_configuration_alone(
             assert "kept/notes.txt" in store.paths("gina", "switch")
     finally:
         s3.stop()
+
+
+def test_swaps_and_renames_during_syncs_never_lead_root_outside(s3_supervisor, store):
+    """A tenant swaps its directories and files for symlinks to root-only files while
+    root syncs again and again: nothing outside the workspace is read, written or stored."""
+    supervisor = s3_supervisor("--sync-delay", "0.05")
+    canary_dir = os.path.join(supervisor.base, "canary")
+    os.mkdir(canary_dir, 0o700)
+    secret = os.urandom(16).hex().encode()
+    canary = os.path.join(canary_dir, "secret.txt")
+    with open(canary, "wb") as f:
+        f.write(secret)
+    os.chmod(canary, 0o600)
+    before = os.lstat(canary)
+    swapper = (
+        "mkdir -p d && echo inside > d/inside.txt && echo f > f.txt; "
+        "end=$((SECONDS + 6)); "
+        "(while [ $SECONDS -lt $end ]; do "
+        f"  mv d d.real; ln -s {canary_dir} d; rm d; mv d.real d; "
+        f"  mv f.txt f.real; ln -s {canary} f.txt; rm f.txt; mv f.real f.txt; "
+        f"  ln -sfn {canary_dir} d/link; echo $RANDOM > d/inside.txt; "
+        "done) >/dev/null 2>&1 & echo started")
+    with Session.connect(supervisor.socket, "ivan", "race") as session:
+        session.initialize()
+        assert "started" in session.call_tool("bash", {"command": swapper})["content"][0]["text"]
+        deadline = time.monotonic() + 6
+        syncs = 0
+        while time.monotonic() < deadline:
+            session.checkpoint()
+            syncs += 1
+        session.call_tool("bash", {"command": "sleep 0.5; wait"})
+        session.checkpoint()
+    assert syncs >= 10
+    digest = hashlib.sha256(secret).hexdigest()
+    assert digest not in "".join(store.keys("ivan/blobs/"))
+    after = os.lstat(canary)
+    assert (after.st_uid, after.st_mode, after.st_mtime_ns) == (
+        before.st_uid, before.st_mode, before.st_mtime_ns)
+    with open(canary, "rb") as f:
+        assert f.read() == secret
+    assert sorted(os.listdir(canary_dir)) == ["secret.txt"]
+    for entry in store.manifest("ivan", "race")["entries"]:
+        assert entry["type"] in ("file", "dir", "symlink")

@@ -105,3 +105,68 @@ def test_an_unchanged_walk_reuses_the_plan(tmp_path):
         assert third.hashed == 1 and [e.path for e in third.manifest.entries] == ["a", "b"]
     finally:
         os.close(fd)
+
+
+class _Store:
+    def __init__(self):
+        self.blobs = {}
+
+    def exists(self, sha):
+        return sha in self.blobs
+
+    def put(self, sha, body, size):
+        data = body.read()
+        assert mf.hashlib.sha256(data).hexdigest() == sha
+        self.blobs[sha] = data
+
+
+def _upload(root, fd, plan, store):
+    from concurrent.futures import ThreadPoolExecutor
+
+    spool = root.parent / "spool"
+    spool.mkdir(exist_ok=True)
+    with ThreadPoolExecutor(2) as pool:
+        return mf.upload_missing(fd, plan, set(), os.getuid(), store.exists, store.put, pool,
+                                 str(spool))
+
+
+def _check_complete(plan, store):
+    for entry in plan.manifest.entries:
+        if entry.kind == mf.FILE:
+            assert entry.sha256 in store.blobs, entry.path
+
+
+def test_files_that_go_during_the_upload_are_left_out(tmp_path):
+    root = tmp_path / "ws"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "a").write_bytes(b"a")
+    (root / "b").write_bytes(b"b")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        plan = mf.plan_sync(fd, mf.SyncState(), os.getuid())
+        os.rename(root / "d", root / "d2")  # after the walk, before the upload
+        store = _Store()
+        _upload(root, fd, plan, store)
+        assert [e.path for e in plan.manifest.entries] == ["b", "d"]
+        _check_complete(plan, store)
+    finally:
+        os.close(fd)
+
+
+def test_shared_bytes_are_uploaded_from_a_path_that_still_holds_them(tmp_path):
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "one").write_bytes(b"same")
+    (root / "two").write_bytes(b"same")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        plan = mf.plan_sync(fd, mf.SyncState(), os.getuid())
+        (root / "one").write_bytes(b"changed")  # the first path's bytes change meanwhile
+        store = _Store()
+        _upload(root, fd, plan, store)
+        entries = plan.manifest.by_path()
+        assert store.blobs[entries["one"].sha256] == b"changed"
+        assert store.blobs[entries["two"].sha256] == b"same"
+        _check_complete(plan, store)
+    finally:
+        os.close(fd)
