@@ -99,8 +99,8 @@ def test_a_tool_call_is_synced_within_the_delay(s3_supervisor, store):
         session.call_tool("bash", {"command": "mkdir -p d && echo two > d/two.txt"})
         wait_until(lambda: "d/two.txt" in store.paths("alice", "live"), timeout=10)
         assert session.call_tool("read", {"path": "notes.txt"})["content"][0]["text"] == "one\n"
-    synced = events(supervisor, "workspace_synced")
-    assert synced and all(e["owner"] == "alice" for e in synced)
+    synced = wait_until(lambda: events(supervisor, "workspace_synced"))
+    assert all(e["owner"] == "alice" for e in synced)
 
 
 def test_checkpoint_answers_once_durable(s3_supervisor, store):
@@ -203,7 +203,8 @@ def test_changes_not_durable_are_never_evicted(s3_supervisor, store, s3_outage):
     s3_outage.start()
     wait_until(lambda: "precious.txt" in store.paths("alice", "keep"), timeout=20)
     wait_until(lambda: not os.path.exists(workspace), timeout=10)
-    assert events(supervisor, "workspace_evicted")
+    # The directory goes in a worker thread; the event is written when it reports back.
+    wait_until(lambda: events(supervisor, "workspace_evicted"), timeout=10)
 
 
 def test_supervisor_killed_before_a_sync_converges_at_the_next_start(
@@ -459,7 +460,8 @@ def test_an_interrupted_deletion_is_finished_at_the_next_start(s3_supervisor, st
         wait_until(lambda: not os.path.exists(workspace) and not os.path.exists(marker),
                    timeout=15)
         assert store.manifest("frank", "gone") is None
-        assert [e for e in events(second, "workspace_deleted") if e["reason"] == "resumed"]
+        wait_until(lambda: [e for e in events(second, "workspace_deleted")
+                            if e["reason"] == "resumed"], timeout=10)
     finally:
         second.stop()
 
