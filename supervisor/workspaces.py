@@ -33,7 +33,7 @@ import time
 
 import attrs
 from attrs import define, field
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import LoopingCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -80,7 +80,7 @@ class Conversation:
     timer: object = None
     #: Files may have changed since the running (or last) sync started.
     dirty: bool = False
-    #: The scheduled or running sync is the final one (no connection attached).
+    #: Failed syncs in a row (the retry waits 1 s, doubling up to sync_retry_max).
     failures: int = 0
     #: Checkpoints waiting for a sync that has not started yet.
     waiters: list = field(factory=list)
@@ -281,7 +281,7 @@ class WorkspaceManager:
     def checkpoint(self, conversation: Conversation) -> Deferred:
         """Fires with the sync's stats once everything written before now is durable."""
         if conversation.deleting:
-            return _failed(CorralError(UNAVAILABLE, "the conversation is being deleted"))
+            return fail(CorralError(UNAVAILABLE, "the conversation is being deleted"))
         done = Deferred()
         conversation.waiters.append(done)
         if conversation.syncing is None:
@@ -311,7 +311,7 @@ class WorkspaceManager:
         try:
             running = method(conversation.identity, conversation.name, conversation.path)
         except Exception as e:  # a plugin that raises instead of failing its Deferred
-            running = _failed(e)
+            running = fail(e)
         conversation.syncing = running
         outcome = Deferred()
 
@@ -727,13 +727,3 @@ def _quietly(deferred: Deferred) -> Deferred:
     deferred.addBoth(fire)
     return done
 
-
-def _failed(error: Exception) -> Deferred:
-    from twisted.internet.defer import fail
-
-    return fail(error)
-
-
-def wait_all(deferreds) -> Deferred:
-    """Fires when every Deferred has, ignoring failures."""
-    return DeferredList(list(deferreds), consumeErrors=True)
