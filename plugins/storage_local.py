@@ -8,11 +8,11 @@ from twisted.internet.defer import succeed
 from twisted.internet.threads import deferToThread
 from zope.interface import implementer
 
-from supervisor.fsutil import ensure_private_directory
+from supervisor.fsutil import ensure_private_directory, open_directory
 from supervisor.hookspecs import hookimpl
 from supervisor.interfaces import IStorageBackend
+from supervisor.storage import Prepared
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _libc = None
 
 
@@ -23,11 +23,7 @@ def flush_file_system(parent: str, name: str) -> None:
     ``sync()`` where ``syncfs`` is missing.
     """
     global _libc
-    parent_fd = os.open(parent, _DIR_FLAGS)
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    finally:
-        os.close(parent_fd)
+    fd = open_directory(parent, name)
     try:
         if _libc is None:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -59,7 +55,7 @@ class LocalStorage:
             identity.uid,
             identity.gid,
             0o700,
-        )
+        ).addCallback(Prepared)
 
     def sync_workspace(self, identity, conversation, path):
         """Flush the file system to disk, so a checkpoint survives a power loss."""

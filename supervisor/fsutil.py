@@ -5,9 +5,11 @@ so a symlink a tenant plants is refused instead of followed.
 """
 
 import os
+import shutil
 import stat
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Open a directory, never through a symlink.
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def ensure_private_directory(parent: str, name: str, uid: int, gid: int, mode: int) -> str:
@@ -18,14 +20,14 @@ def ensure_private_directory(parent: str, name: str, uid: int, gid: int, mode: i
     it is owned by anyone else (root, after a crash between mkdir and chown); anything else there (a
     symlink, a file) raises ``NotADirectoryError``.
     """
-    parent_fd = os.open(parent, _DIR_FLAGS)
+    parent_fd = os.open(parent, DIR_FLAGS)
     try:
         try:
             os.mkdir(name, mode, dir_fd=parent_fd)
         except FileExistsError:
             pass
         try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
         except OSError as e:
             raise NotADirectoryError(
                 f"{os.path.join(parent, name)} is not a directory"
@@ -41,3 +43,49 @@ def ensure_private_directory(parent: str, name: str, uid: int, gid: int, mode: i
     finally:
         os.close(parent_fd)
     return os.path.join(parent, name)
+
+
+def make_directories(path: str, mode: int) -> None:
+    """``mkdir -p`` whose created directories get exactly ``mode``, whatever the umask."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            continue
+        os.chmod(directory, mode)
+
+
+def open_directory(parent: str, name: str) -> int:
+    """Open ``parent/name`` as a directory descriptor, refusing a symlink at ``name``."""
+    parent_fd = os.open(parent, DIR_FLAGS)
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    finally:
+        os.close(parent_fd)
+
+
+def remove_entry(parent: str, name: str) -> bool:
+    """Remove ``parent/name`` and everything below it without following any symlink.
+
+    ``parent`` must be a path root trusts; below it every step goes through
+    directory descriptors (``shutil.rmtree`` with ``dir_fd``), so a tenant's
+    symlink is removed, never followed. Returns False when nothing was there.
+    Blocking: run it in a thread.
+    """
+    parent_fd = os.open(parent, DIR_FLAGS)
+    try:
+        try:
+            st = os.lstat(name, dir_fd=parent_fd)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=parent_fd)
+        else:
+            os.unlink(name, dir_fd=parent_fd)
+        return True
+    finally:
+        os.close(parent_fd)

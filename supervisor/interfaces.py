@@ -15,8 +15,8 @@ class IStorageBackend(Interface):
     reactor thread. ``identity`` is a ``supervisor.identities.OwnerIdentity``
     whose owner directory exists. None of these methods may follow a symlink
     the tenant controls. The supervisor (``supervisor.workspaces``) calls
-    them one at a time per conversation, never concurrently for one
-    conversation, except ``sync_workspace`` while runners are attached.
+    them one at a time per conversation, except ``sync_workspace`` while
+    runners are attached and ``mark_used``, which runs in the background.
     """
 
     name = Attribute("The backend's configuration name, such as 'local'.")
@@ -31,9 +31,9 @@ class IStorageBackend(Interface):
     def prepare_workspace(identity, conversation):
         """Make ``<root>/<owner>/<conversation>/`` ready for a runner.
 
-        Fires with the workspace's absolute path, owned by ``identity.uid``,
-        or with a ``supervisor.storage.Prepared`` (path plus attrs stats for
-        the ``workspace_hydrated`` audit event).
+        Fires with a ``supervisor.storage.Prepared``: the workspace's absolute
+        path, owned by ``identity.uid``, and attrs stats (or None) for the
+        ``workspace_hydrated`` audit event.
         """
 
     def sync_workspace(identity, conversation, path):

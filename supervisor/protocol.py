@@ -32,6 +32,7 @@ from supervisor.runner_process import (
     write_now,
 )
 from supervisor.spawn import RunnerLaunch, runner_env
+from supervisor.workspaces import error_code
 
 _connection_ids = itertools.count(1)
 
@@ -90,9 +91,11 @@ def peer_groups(transport) -> set:
     return set(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
 
 
-def may_administer(transport, admin_group: int | None) -> bool:
-    """Root, the supervisor's own user, or a member of admin_group may make admin requests."""
-    credentials = peer_credentials(transport)
+def may_administer(transport, credentials: dict, admin_group: int | None) -> bool:
+    """Root, the supervisor's own user, or a member of admin_group may make admin requests.
+
+    ``credentials`` are ``peer_credentials(transport)``.
+    """
     uid = credentials.get("peer_uid")
     if uid is None:
         return False
@@ -282,6 +285,8 @@ class ConversationProtocol(Protocol):
     async def _start_runner(self, hello: Hello) -> None:
         supervisor = self.supervisor
         config = supervisor.config
+        # Before the identity: resolving it would create the owner's directory again.
+        supervisor.workspaces.refuse_if_deleting(hello.owner, hello.conversation)
         same_owner = sum(
             1 for c in supervisor.connections
             if c.hello is not None and c.hello.owner == hello.owner and c.state != "refused"
@@ -310,6 +315,8 @@ class ConversationProtocol(Protocol):
                 count_conversations,
                 self.identity.directory,
             )
+            if self.state != "starting":
+                return
             if existing >= config.max_conversations_per_owner:
                 raise CorralError(
                     LIMIT,
@@ -317,7 +324,6 @@ class ConversationProtocol(Protocol):
                     f"(max_conversations_per_owner is {config.max_conversations_per_owner}); "
                     "delete some before starting new ones",
                 )
-        supervisor.workspaces._refuse_if_deleting(hello.owner, hello.conversation)
         conversation = await supervisor.workspaces.attach(self.identity, hello.conversation)
         if self.state != "starting":
             supervisor.workspaces.detach(conversation)
@@ -415,17 +421,20 @@ class ConversationProtocol(Protocol):
         )
         spec = supervisor.isolation.spawn_spec(launch)
         executable, args = spec.executable, spec.args
-        self.runner = RunnerProcessProtocol(
+        runner = RunnerProcessProtocol(
             self.reactor, self._runner_output, {"connection": self.connection_id},
             on_event=self._runner_event,
         )
         self.reactor.spawnProcess(
-            self.runner,
+            runner,
             executable,
             list(args),
             env=spec.env,
             childFDs={0: "w", 1: "r", 2: "r", EVENTS_FD: "r", ANSWERS_FD: "w"},
         )
+        # Only a process that was spawned is this connection's runner: one that
+        # failed to spawn never ends, and the close path would wait for it.
+        self.runner = runner
         self.runner.ended.addCallback(self._runner_ended)
         if self.cgroup is not None:
             self._input_held = True
@@ -477,9 +486,7 @@ class ConversationProtocol(Protocol):
 
             def not_durable(failure):
                 self._checkpoints_pending -= 1
-                code = getattr(failure.value, "code", None)
-                runner.answer({"checkpoint": token, "ok": False,
-                               "code": code if isinstance(code, str) else INTERNAL,
+                runner.answer({"checkpoint": token, "ok": False, "code": error_code(failure),
                                "message": failure.getErrorMessage()})
 
             self.supervisor.workspaces.checkpoint(conversation).addCallbacks(durable, not_durable)
@@ -488,7 +495,8 @@ class ConversationProtocol(Protocol):
 
     async def _admin(self, request: AdminRequest) -> None:
         supervisor = self.supervisor
-        if not may_administer(self.transport, supervisor.config.admin_group):
+        credentials = peer_credentials(self.transport)
+        if not may_administer(self.transport, credentials, supervisor.config.admin_group):
             raise CorralError(
                 FORBIDDEN,
                 "administrative requests are for root, the supervisor's user and members "
@@ -498,21 +506,12 @@ class ConversationProtocol(Protocol):
             "admin_request", action=request.action, connection=self.connection_id,
             **({"owner": request.owner} if request.owner else {}),
             **({"conversation": request.conversation} if request.conversation else {}),
-            **peer_credentials(self.transport),
+            **credentials,
         )
-        try:
-            if request.action == "cleanup":
-                result = await supervisor.workspaces.cleanup()
-            else:
-                result = await supervisor.workspaces.delete(request.owner, request.conversation)
-        except CorralError:
-            raise
-        except Exception as e:
-            code = getattr(e, "code", None)
-            if not isinstance(code, str):
-                raise
-            # The store's own error (storage_unavailable, ...): say it, retrying may help.
-            raise CorralError(UNAVAILABLE, f"{request.action} failed ({code}): {e}") from None
+        if request.action == "cleanup":
+            result = await supervisor.workspaces.cleanup()
+        else:
+            result = await supervisor.workspaces.delete(request.owner, request.conversation)
         if self.state == "admin":
             self._reply({"ok": True, "admin": request.action, "result": result})
             self.state = "done"
@@ -546,6 +545,9 @@ class ConversationProtocol(Protocol):
     def _start_failed(self, failure):
         if failure.check(CorralError):
             error = failure.value
+        elif error_code(failure) != INTERNAL:
+            # The storage backend's own error (storage_unavailable, ...): retrying may help.
+            error = CorralError(UNAVAILABLE, f"{error_code(failure)}: {failure.getErrorMessage()}")
         else:
             self.log.failure(
                 "could not start a runner for connection {connection}",
@@ -567,8 +569,6 @@ class ConversationProtocol(Protocol):
         elif self.cgroup is not None:
             self.cgroup.remove()
             self.cgroup = None
-        if self.state == "admin":
-            self.state = "starting"  # refuse() answers once
         self.refuse(error)
 
     # -- relay and close -----------------------------------------------

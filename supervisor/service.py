@@ -26,6 +26,7 @@ from supervisor import paths, sdnotify
 from supervisor.audit import Auditor
 from supervisor.cgroups import CgroupError, find_hierarchy
 from supervisor.errors import ConfigError
+from supervisor.fsutil import make_directories
 from supervisor.identities import IdentityStore
 from supervisor.protocol import ConversationFactory
 from supervisor.spawn import install_runner_code, unreadable_ancestor
@@ -51,12 +52,13 @@ class Supervisor:
     #: The supervisor.workspaces.WorkspaceManager: the one caller of the storage backend.
     workspaces: object = None
 
-    def close_connections(self, owner: str, conversation: str | None):
-        """Abort the owner's connections (to ``conversation`` only, when given); fires once closed."""
+    def close_connections(self, owner: str | None = None, conversation: str | None = None):
+        """Abort connections (all; the owner's; or one conversation's); fires once they are closed."""
         matching = [
             c for c in self.connections
-            if c.hello is not None and c.hello.owner == owner
-            and (conversation is None or c.hello.conversation == conversation)
+            if owner is None or (
+                c.hello is not None and c.hello.owner == owner
+                and (conversation is None or c.hello.conversation == conversation))
         ]
         for connection in matching:
             connection.transport.abortConnection()
@@ -95,20 +97,6 @@ def build_supervisor(reactor, config, registry) -> Supervisor:
     )
     supervisor.workspaces.close_connections = supervisor.close_connections
     return supervisor
-
-
-def make_directories(path: str, mode: int) -> None:
-    """``mkdir -p`` whose created directories get exactly ``mode``, whatever the umask."""
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory)
-        except FileExistsError:
-            continue
-        os.chmod(directory, mode)
 
 
 def prepare_directories(config) -> None:
@@ -314,11 +302,8 @@ class CorralService(MultiService):
         return listening_stopped.addCallback(lambda _: self._stop_connections())
 
     def _stop_connections(self):
-        connections = list(self.supervisor.connections)
-        self.log.info("stopping {count} connections", count=len(connections))
-        for connection in connections:
-            connection.transport.abortConnection()
-        all_closed = DeferredList([c.closed for c in connections], consumeErrors=True)
+        self.log.info("stopping {count} connections", count=len(self.supervisor.connections))
+        all_closed = self.supervisor.close_connections()
         finished = defer.Deferred()
         timer = self.reactor.callLater(self.config.stop_timeout, self._stop_timed_out, finished)
 

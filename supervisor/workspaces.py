@@ -40,7 +40,7 @@ from twisted.logger import Logger
 
 from supervisor.errors import UNAVAILABLE, CorralError
 from supervisor.hello import NAME_PATTERN
-from supervisor.storage import Prepared, remove_entry
+from supervisor.fsutil import make_directories, remove_entry
 
 #: First wait before retrying a failed sync; it doubles up to sync_retry_max.
 RETRY_FIRST = 1.0
@@ -82,10 +82,10 @@ class Conversation:
     dirty: bool = False
     #: Failed syncs in a row (the retry waits 1 s, doubling up to sync_retry_max).
     failures: int = 0
+    #: The store's "in use" marker being written (s3), or None.
+    marking: Deferred | None = None
     #: Checkpoints waiting for a sync that has not started yet.
     waiters: list = field(factory=list)
-    #: reactor.seconds() when the last connection closed, or None.
-    detached_at: float | None = None
     deleting: bool = False
 
     @property
@@ -108,6 +108,10 @@ class WorkspaceManager:
         self.conversations: dict[tuple[str, str], Conversation] = {}
         #: Owners being deleted as a whole.
         self.deleting_owners: set[str] = set()
+        #: Deletions asked for and not finished, ``(owner, conversation or None)``,
+        #: each with a marker file: hellos for them are refused, and the
+        #: cleanup (also at start-up, after a crash) tries them again.
+        self.pending_deletions: set[tuple[str, str | None]] = set()
         #: Called with (owner, conversation or None) to close matching connections;
         #: returns a Deferred that fires when they are closed. Set by the service.
         self.close_connections = lambda owner, conversation: succeed(None)
@@ -141,11 +145,13 @@ class WorkspaceManager:
         self.auditor.emit(event, **fields, **ids)
 
     def is_deleting(self, owner: str, name: str) -> bool:
-        """Whether the owner or the conversation is being deleted right now."""
+        """Whether the owner or the conversation is being deleted, or a deletion of it is pending."""
         conversation = self.conversations.get((owner, name))
-        return owner in self.deleting_owners or bool(conversation and conversation.deleting)
+        return (owner in self.deleting_owners or bool(conversation and conversation.deleting)
+                or (owner, None) in self.pending_deletions
+                or (owner, name) in self.pending_deletions)
 
-    def _refuse_if_deleting(self, owner: str, name: str) -> None:
+    def refuse_if_deleting(self, owner: str, name: str) -> None:
         if self.is_deleting(owner, name):
             raise CorralError(
                 UNAVAILABLE,
@@ -164,7 +170,7 @@ class WorkspaceManager:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            make_directories(os.path.dirname(path), 0o700)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.utime(fd, None if when is None else (when, when))
@@ -197,75 +203,68 @@ class WorkspaceManager:
 
         self._in_thread(self._touch_record, conversation.owner, conversation.name).addErrback(
             lambda f: self.log.failure("could not write the lifecycle record", f))
-        if self.storage.background_sync:
-            self.storage.mark_used(conversation.owner, conversation.name).addErrback(failed)
+        if self.storage.background_sync and conversation.marking is None:
+            # One at a time, and a deletion waits for it: a marker written after
+            # the deletion would make the conversation look used.
+            def done(_):
+                conversation.marking = None
+
+            conversation.marking = self.storage.mark_used(conversation.owner, conversation.name)
+            conversation.marking.addErrback(failed).addBoth(done)
 
     # -- attach and detach -------------------------------------------------
 
     async def attach(self, identity, name: str) -> Conversation:
         """Make the workspace ready for one more connection; returns its Conversation."""
-        self._refuse_if_deleting(identity.owner, name)
+        self.refuse_if_deleting(identity.owner, name)
         conversation = self._get(identity.owner, name)
         conversation.identity = identity
         conversation.attached += 1
         try:
-            while True:
-                if conversation.opening is not None:
-                    await _quietly(conversation.opening)
-                elif conversation.syncing is not None and conversation.attached == 1:
-                    # A final sync still runs: prepare after it, on the committed state.
-                    await _quietly(conversation.syncing)
-                else:
-                    break
-                self._refuse_if_deleting(identity.owner, name)
+            while conversation.opening is not None:  # another prepare, or an eviction
+                await _quietly(conversation.opening)
+                self.refuse_if_deleting(identity.owner, name)
             # A cache (s3) is hydrated by the first connection only: later ones
             # share the live directory. A local directory is checked every time
             # (cheap, and a tenant may have swapped it for a symlink meanwhile).
             if (conversation.path is None or conversation.attached == 1
                     or not self.storage.background_sync):
-                conversation.opening = self.storage.prepare_workspace(identity, name)
+                conversation.opening = Deferred.fromCoroutine(self._prepare(conversation))
                 try:
-                    prepared = await conversation.opening
+                    await conversation.opening
                 finally:
                     conversation.opening = None
-                if isinstance(prepared, Prepared):
-                    conversation.path = prepared.path
-                    if prepared.stats is not None:
-                        self._audit("workspace_hydrated", conversation,
-                                    **stats_fields(prepared.stats))
-                else:
-                    conversation.path = prepared
-            self._refuse_if_deleting(identity.owner, name)
+                    self._after_sync(conversation)  # what waited for the prepare
+            self.refuse_if_deleting(identity.owner, name)
         except BaseException:
             conversation.attached -= 1
             self._forget_if_idle(conversation)
             raise
-        conversation.detached_at = None
         self._mark_used(conversation)
         return conversation
+
+    async def _prepare(self, conversation: Conversation) -> None:
+        """Hydrate (or check) the workspace, after a sync that is still running."""
+        if conversation.syncing is not None:
+            await _quietly(conversation.syncing)  # prepare on the committed state
+        conversation.path = None
+        prepared = await self.storage.prepare_workspace(conversation.identity, conversation.name)
+        conversation.path = prepared.path
+        if prepared.stats is not None:
+            self._audit("workspace_hydrated", conversation, **stats_fields(prepared.stats))
 
     def detach(self, conversation: Conversation) -> Deferred:
         """One connection has closed (its runners are dead).
 
-        When it was the last, the workspace is synced at once; the Deferred
-        fires after that first attempt (retries go on in the background).
+        When it was the last, the workspace is synced; the Deferred fires
+        after that attempt (retries go on in the background).
         """
         conversation.attached -= 1
-        if conversation.attached > 0:
-            return succeed(None)
-        conversation.detached_at = self.reactor.seconds()
-        if conversation.deleting or conversation.path is None:
+        if conversation.attached > 0 or conversation.deleting or conversation.path is None:
             return succeed(None)
         self._in_thread(self._touch_record, conversation.owner, conversation.name).addErrback(
             lambda f: None)
-        if conversation.syncing is not None:
-            # Let the running sync end, then the final one follows it.
-            conversation.dirty = True
-            done = Deferred()
-            conversation.waiters.append(done)
-            return done.addErrback(lambda f: None)
-        self._cancel_timer(conversation)
-        return self._sync(conversation).addErrback(lambda f: None)
+        return self._request_sync(conversation).addErrback(lambda f: None)
 
     # -- sync, checkpoints, retries ----------------------------------------
 
@@ -282,10 +281,18 @@ class WorkspaceManager:
         """Fires with the sync's stats once everything written before now is durable."""
         if conversation.deleting:
             return fail(CorralError(UNAVAILABLE, "the conversation is being deleted"))
+        return self._request_sync(conversation)
+
+    def _request_sync(self, conversation: Conversation) -> Deferred:
+        """A Deferred for the outcome of a sync that starts after now (at once when idle).
+
+        Every sync completion is reported this one way: the waiters of a
+        sync fire when it ends, whatever its outcome, and never wait on a
+        retry timer.
+        """
         done = Deferred()
         conversation.waiters.append(done)
-        if conversation.syncing is None:
-            self._cancel_timer(conversation)
+        if conversation.syncing is None and conversation.opening is None:
             self._sync(conversation)
         return done
 
@@ -297,23 +304,24 @@ class WorkspaceManager:
 
     def _scheduled_sync(self, conversation: Conversation) -> None:
         conversation.timer = None
-        if conversation.syncing is None and not conversation.deleting:
+        if conversation.syncing is None and conversation.opening is None:
             self._sync(conversation)
+        # else: still dirty; the sync or prepare that runs starts it when it ends.
 
-    def _sync(self, conversation: Conversation) -> Deferred:
-        """Start one sync now; returns a Deferred for its outcome (stats or failure)."""
+    def _sync(self, conversation: Conversation) -> None:
+        """Start one sync now; its waiters (taken now) fire when it ends."""
+        self._cancel_timer(conversation)
         waiters, conversation.waiters = conversation.waiters, []
         conversation.dirty = False
-        final = conversation.attached == 0
         storage = self.storage
-        method = storage.release_workspace if final else storage.sync_workspace
+        method = storage.release_workspace if conversation.attached == 0 else \
+            storage.sync_workspace
         started = self.reactor.seconds()
         try:
             running = method(conversation.identity, conversation.name, conversation.path)
         except Exception as e:  # a plugin that raises instead of failing its Deferred
             running = fail(e)
         conversation.syncing = running
-        outcome = Deferred()
 
         def succeeded(stats):
             conversation.syncing = None
@@ -324,7 +332,6 @@ class WorkspaceManager:
             for waiter in waiters:
                 waiter.callback(fields)
             self._after_sync(conversation)
-            outcome.callback(stats)
 
         def failed(failure):
             conversation.syncing = None
@@ -346,22 +353,22 @@ class WorkspaceManager:
                 conversation.dirty = True
                 delay = min(self.config.sync_retry_max,
                             RETRY_FIRST * 2 ** min(conversation.failures - 1, 30))
-                self._cancel_timer(conversation)
                 conversation.timer = self.reactor.callLater(
                     delay, self._scheduled_sync, conversation)
-            else:
-                self._after_sync(conversation)
-            outcome.errback(failure)
+            self._after_sync(conversation)
 
         running.addCallbacks(succeeded, failed)
-        return outcome
 
     def _after_sync(self, conversation: Conversation) -> None:
-        """Start what waited for the sync that just ended."""
+        """Start what waited for the sync (or prepare, or eviction) that just ended."""
+        if conversation.syncing is not None or conversation.opening is not None:
+            return
         if conversation.deleting:
+            waiters, conversation.waiters = conversation.waiters, []
+            for waiter in waiters:
+                waiter.errback(CorralError(UNAVAILABLE, "the conversation is being deleted"))
             return
         if conversation.waiters:
-            self._cancel_timer(conversation)
             self._sync(conversation)
         elif conversation.dirty and conversation.timer is None:
             if conversation.attached == 0:
@@ -379,13 +386,17 @@ class WorkspaceManager:
     # -- eviction ----------------------------------------------------------
 
     def _evict(self, conversation: Conversation, resync: bool = True) -> Deferred:
-        """Remove an idle local copy if the backend confirms it is durable.
+        """Remove an idle local copy if the backend confirms it is durable; fires True if removed.
 
-        When it is not, and ``resync``, a sync (with retries) starts; the next
+        Refused (False) while the conversation is attached, preparing,
+        syncing, scheduled or being deleted. When the copy holds changes not
+        yet durable, and ``resync``, a sync (with retries) starts; the next
         cleanup tries again.
         """
-        identity = conversation.identity
-        conversation.opening = self.storage.evict_workspace(identity, conversation.name)
+        if conversation.busy or conversation.identity is None:
+            return succeed(False)
+        conversation.opening = self.storage.evict_workspace(conversation.identity,
+                                                            conversation.name)
 
         def done(evicted):
             conversation.opening = None
@@ -393,10 +404,9 @@ class WorkspaceManager:
                 conversation.path = None
                 self._audit("workspace_evicted", conversation)
                 self._forget_if_idle(conversation)
-            elif resync and conversation.attached == 0 and not conversation.busy:
-                # Changes not yet durable: sync them (with retries) first.
-                conversation.dirty = True
-                self._sync(conversation)
+            elif resync and not conversation.busy:
+                conversation.dirty = True  # changes not yet durable: sync them first
+                self._after_sync(conversation)
             return bool(evicted)
 
         def failed(failure):
@@ -411,31 +421,33 @@ class WorkspaceManager:
     # -- deletion ----------------------------------------------------------
 
     async def delete(self, owner: str, name: str | None, reason: str = "request") -> dict:
-        """Delete a conversation (or, with ``name`` None, an owner) here and in the store."""
+        """Delete a conversation (or, with ``name`` None, an owner) here and in the store.
+
+        Until it has finished, hellos for it are refused; if it fails (the
+        store is unreachable), it stays pending and the cleanup retries it.
+        """
         started = self.reactor.seconds()
+        existing = self.conversations.get((owner, name)) if name is not None else None
+        if owner in self.deleting_owners or (existing is not None and existing.deleting):
+            raise CorralError(UNAVAILABLE, f"{owner}/{name or ''} is already being deleted")
         if name is None:
-            if owner in self.deleting_owners:
-                raise CorralError(UNAVAILABLE, f"owner {owner} is already being deleted")
             self.deleting_owners.add(owner)
             affected = [c for (o, _), c in self.conversations.items() if o == owner]
         else:
-            conversation = self._get(owner, name)
-            if conversation.deleting or owner in self.deleting_owners:
-                raise CorralError(UNAVAILABLE, f"{owner}/{name} is already being deleted")
-            affected = [conversation]
+            affected = [self._get(owner, name)]
+        self.pending_deletions.add((owner, name))
         for conversation in affected:
             conversation.deleting = True
             self._cancel_timer(conversation)
+            self._after_sync(conversation)  # fails the checkpoints waiting, if idle
         try:
+            await self._in_thread(self._mark_deletion, owner, name)
             await self.close_connections(owner, name)
             for conversation in affected:
-                for pending in (conversation.opening, conversation.syncing):
+                for pending in (conversation.opening, conversation.syncing,
+                                conversation.marking):
                     if pending is not None:
                         await _quietly(pending)
-                waiters, conversation.waiters = conversation.waiters, []
-                for waiter in waiters:
-                    waiter.errback(CorralError(UNAVAILABLE, "the conversation was deleted"))
-            await self._in_thread(self._mark_deletion, owner, name)
             if name is None:
                 stats = await self.storage.delete_owner(owner)
                 removed = await self._in_thread(self._remove_owner_locally, owner)
@@ -447,6 +459,9 @@ class WorkspaceManager:
             for conversation in affected:
                 conversation.deleting = False
             self.deleting_owners.discard(owner)
+        self.pending_deletions.discard((owner, name))
+        if name is None:
+            self.pending_deletions -= {p for p in self.pending_deletions if p[0] == owner}
         for conversation in affected:
             conversation.path = None
             self.conversations.pop((conversation.owner, conversation.name), None)
@@ -475,11 +490,14 @@ class WorkspaceManager:
         again and bring the conversation back. The next start resumes it.
         """
         path = self._deletion_marker(owner, name)
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        with open(path, "w"):
-            pass
+        make_directories(os.path.dirname(path), 0o700)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
 
     def _unmark_deletion(self, owner: str, name: str | None) -> None:
+        if name is None:  # the owner's deletion covers its conversations' too
+            if os.path.isdir(self.deletions_root):
+                remove_entry(self.deletions_root, owner)
+            return
         try:
             os.unlink(self._deletion_marker(owner, name))
             os.rmdir(os.path.dirname(self._deletion_marker(owner, name)))
@@ -503,14 +521,6 @@ class WorkspaceManager:
                     pending.append((owner, None if name == ".owner" else name))
         return pending
 
-    def _resume_deletions(self) -> None:
-        """Finish deletions a crash interrupted, before any hello is served."""
-        for owner, name in self._pending_deletions():
-            self.log.warn("resuming the interrupted deletion of {what}",
-                          what=owner if name is None else f"{owner}/{name}")
-            Deferred.fromCoroutine(self.delete(owner, name, reason="resumed")).addErrback(
-                lambda f: self.log.failure("could not resume a deletion", f))
-
     def _remove_conversation_locally(self, owner: str, name: str) -> bool:
         directory = os.path.join(self.config.workspace_root, owner)
         removed = False
@@ -528,8 +538,11 @@ class WorkspaceManager:
     # -- the periodic cleanup ----------------------------------------------
 
     def start(self) -> None:
-        """Resume interrupted deletions; run the cleanup now and every cleanup_interval."""
-        self._resume_deletions()
+        """Load the pending deletions; run the cleanup (which finishes them) now and every cleanup_interval."""
+        self.pending_deletions = set(self._pending_deletions())
+        for owner, name in sorted(self.pending_deletions, key=str):
+            self.log.warn("an interrupted deletion of {what} is finished by the cleanup",
+                          what=owner if name is None else f"{owner}/{name}")
         self._cleanup_loop = LoopingCall(self._cleanup_tick)
         self._cleanup_loop.clock = self.reactor
         self._cleanup_loop.start(self.config.cleanup_interval, now=True)
@@ -577,9 +590,22 @@ class WorkspaceManager:
 
     async def _cleanup(self, collect: bool = True) -> dict:
         started = self.reactor.seconds()
-        counts = {"marked_used": 0, "evicted": 0, "kept_not_durable": 0, "retention_deleted": 0,
-                  "records_removed": 0, "blobs_deleted": 0}
+        counts = {"resumed_deletions": 0, "marked_used": 0, "evicted": 0, "kept_not_durable": 0,
+                  "retention_deleted": 0, "records_removed": 0, "blobs_deleted": 0}
         now = time.time()
+        # 0. Deletions asked for and not finished (a crash, an unreachable store):
+        # an owner's first, which covers its conversations'.
+        for owner, name in sorted(self.pending_deletions, key=lambda p: (p[0], p[1] or "")):
+            if (owner, name) not in self.pending_deletions:
+                continue  # done with its owner's
+            try:
+                await self.delete(owner, name, reason="resumed")
+                counts["resumed_deletions"] += 1
+            except CorralError:
+                pass  # being deleted right now
+            except Exception as e:
+                self.log.warn("cleanup: the deletion of {what} failed again: {error}",
+                              what=owner if name is None else f"{owner}/{name}", error=e)
         # 1. Attached conversations are in use: say so here and in the store.
         for conversation in list(self.conversations.values()):
             if conversation.attached and not conversation.deleting:
@@ -599,24 +625,30 @@ class WorkspaceManager:
                 self.log.warn("cleanup: cannot list the stored conversations: {error}", error=e)
         # 3. Evict idle local copies (backends that keep the durable copy elsewhere).
         if self.storage.background_sync:
+            identities = {}
             for (owner, name), last_used in local.items():
+                if now - last_used < self.config.warm_idle_time or self.is_deleting(owner, name):
+                    continue
                 conversation = self.conversations.get((owner, name))
                 if conversation is not None and conversation.busy:
                     continue
-                if now - last_used < self.config.warm_idle_time:
-                    continue
-                if conversation is None:
-                    conversation = self._get(owner, name)
-                if conversation.identity is None:
-                    try:
-                        conversation.identity = await self._in_thread(
-                            self.identities.resolve, owner)
-                    except Exception as e:
-                        self.log.warn("cleanup: cannot resolve owner {owner}: {error}",
-                                      owner=owner, error=e)
-                        self._forget_if_idle(conversation)
+                if conversation is None or conversation.identity is None:
+                    if owner not in identities:
+                        try:
+                            identities[owner] = await self._in_thread(
+                                self.identities.resolve, owner)
+                        except Exception as e:
+                            self.log.warn("cleanup: cannot resolve owner {owner}: {error}",
+                                          owner=owner, error=e)
+                            identities[owner] = None
+                    if identities[owner] is None or self.is_deleting(owner, name):
                         continue
-                    conversation.path = os.path.join(conversation.identity.directory, name)
+                    conversation = self._get(owner, name)
+                    if conversation.identity is None:
+                        conversation.identity = identities[owner]
+                        conversation.path = os.path.join(identities[owner].directory, name)
+                if conversation.busy:
+                    continue  # attached meanwhile
                 if await self._evict(conversation):
                     counts["evicted"] += 1
                 else:
@@ -630,7 +662,7 @@ class WorkspaceManager:
                 conversation = self.conversations.get((owner, name))
                 if conversation is not None and conversation.busy:
                     continue
-                if now - last_used < self.config.retention:
+                if now - last_used < self.config.retention or self.is_deleting(owner, name):
                     continue
                 try:
                     await self.delete(owner, name, reason="retention")
@@ -640,7 +672,7 @@ class WorkspaceManager:
                                   owner=owner, conversation=name, error=e)
         # 5. Records of conversations that exist nowhere any more.
         counts["records_removed"] = await self._in_thread(
-            self._remove_orphan_records, set(local) | set(stored))
+            self._remove_orphan_records, set(local) | set(stored) | set(self.conversations))
         # 6. Stored data nothing refers to.
         try:
             garbage = None
@@ -703,7 +735,7 @@ class WorkspaceManager:
             except OSError:
                 continue
             for name in names:
-                if (owner, name) not in known and (owner, name) not in self.conversations:
+                if (owner, name) not in known:
                     try:
                         os.unlink(os.path.join(directory, name))
                         removed += 1
