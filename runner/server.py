@@ -212,7 +212,8 @@ class Server:
         # Checkpoints forwarded to the supervisor: token -> request id.
         self._checkpoints = {}
         self._checkpoint_tokens = 0
-        self._answers_started = False
+        # The supervisor closed the answers pipe: no checkpoint can be answered.
+        self._answers_closed = False
 
     # -- output ---------------------------------------------------------
 
@@ -451,12 +452,13 @@ class Server:
             # Forget the id before answering: a client may reuse it at once.
             with self._calls_lock:
                 del self._calls[key]
+        # Before the answer: a checkpoint the client sends on reading it then
+        # finds the notice already there, and one sync covers both.
+        if name in CHANGING_TOOLS:
+            self.notify_changed()
         try:
             self.send(message)
         finally:
-            # After the answer, so a client waiting for it is not made to wait for this.
-            if name in CHANGING_TOOLS:
-                self.notify_changed()
             self._call_finished()
 
     def _call_finished(self):
@@ -491,6 +493,9 @@ class Server:
                                "Method not found: corral/checkpoint needs the runner to be "
                                "started by a corral supervisor.")
         with self._calls_lock:
+            if self._answers_closed:
+                raise RequestError(CHECKPOINT_FAILED, "Checkpoint failed: the supervisor "
+                                                      "closed the side channel.")
             if len(self._checkpoints) >= MAX_PENDING_CHECKPOINTS:
                 raise RequestError(INVALID_REQUEST,
                                    f"Invalid Request: {MAX_PENDING_CHECKPOINTS} checkpoints "
@@ -501,9 +506,6 @@ class Server:
             if self._in_flight == 0:
                 self._idle.acquire()
             self._in_flight += 1
-            if not self._answers_started:
-                self._answers_started = True
-                _thread.start_new_thread(self._read_answers, ())
         line = (json.dumps({"event": "checkpoint", "token": token}) + "\n").encode()
         try:
             os.write(self.options.events_fd, line)
@@ -512,7 +514,7 @@ class Server:
                                             "message": f"the supervisor cannot be told ({error})"})
         return None
 
-    def _read_answers(self):
+    def read_answers(self):
         """Read the supervisor's checkpoint answers (a thread); at end of file, fail what waits."""
         pending = b""
         while True:
@@ -530,8 +532,10 @@ class Server:
                     token = answer["checkpoint"]
                 except (ValueError, KeyError, TypeError):
                     continue
-                self._answer_checkpoint(token, answer)
+                if type(token) is int:  # the pipe is the supervisor's, but check anyway
+                    self._answer_checkpoint(token, answer)
         with self._calls_lock:
+            self._answers_closed = True
             tokens = list(self._checkpoints)
         for token in tokens:
             self._answer_checkpoint(token, {"ok": False, "code": "unavailable",
@@ -625,6 +629,8 @@ def main(argv):
         os.set_blocking(options.events_fd, False)
         os.set_blocking(options.answers_fd, True)
     server = Server(options)
+    if options.answers_fd is not None:
+        _thread.start_new_thread(server.read_answers, ())
     # Terminating signals are blocked in every thread and taken by one thread
     # with sigwait: a Python handler could miss a signal that arrives just
     # before the main thread blocks in read().  Commands get a clean signal

@@ -153,6 +153,7 @@ class RunnerProcessProtocol(ProcessProtocol):
         #: Receives each side-channel message (a dict) the runner sends.
         self.on_event = on_event
         self._events_partial = b""
+        self._events_discarding = False
         self.label = label
         self.ended: Deferred = Deferred()
         self.exit_status: dict | None = None
@@ -210,7 +211,15 @@ class RunnerProcessProtocol(ProcessProtocol):
         from it is trusted: it can only ask for a sync or a checkpoint.
         """
         *lines, partial = (self._events_partial + data).split(b"\n")
-        self._events_partial = partial if len(partial) <= MAX_EVENT_LINE else b""
+        if self._events_discarding and lines:
+            # The rest of an over-long line, up to its newline: dropped with it.
+            lines.pop(0)
+            self._events_discarding = False
+        if len(partial) > MAX_EVENT_LINE:
+            partial, self._events_discarding = b"", True
+        elif self._events_discarding:
+            partial = b""
+        self._events_partial = partial
         for line in lines:
             if len(line) > MAX_EVENT_LINE or self.on_event is None:
                 continue

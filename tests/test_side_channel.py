@@ -30,3 +30,19 @@ def test_an_overlong_line_is_dropped_whole():
     protocol.childDataReceived(3, b'{"event": "changed", "pad": "' + b"p" * MAX_EVENT_LINE)
     protocol.childDataReceived(3, b'"}\n')
     assert received == []
+
+
+def test_an_overlong_line_in_one_chunk_is_dropped():
+    protocol, received = _protocol()
+    protocol.childDataReceived(3, b'{"event":"changed","pad":"' + b"p" * 2000 + b'"}\n')
+    assert received == []
+
+
+def test_the_tail_of_an_overlong_line_is_not_a_line_of_its_own():
+    """A long line split over reads: its tail (after the cut) must not pass as a message."""
+    protocol, received = _protocol()
+    protocol.childDataReceived(3, b'{"pad":"' + b"p" * (MAX_EVENT_LINE + 10))
+    protocol.childDataReceived(3, b"p" * 5000)
+    assert len(protocol._events_partial) <= MAX_EVENT_LINE
+    protocol.childDataReceived(3, b'{"event":"checkpoint","token":7}\n{"event":"changed"}\n')
+    assert received == [{"event": "changed"}]
