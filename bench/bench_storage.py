@@ -41,6 +41,7 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.common import REPO, compare, record, summary
+from supervisor.fsutil import DIR_FLAGS
 from tests.support import traversable_tempdir
 
 OWNER = "bench"
@@ -55,7 +56,6 @@ DISTINCT = 1000
 BIG_FILES = 200
 BIG_TOTAL = 1 << 30
 HYDRATE_ROUNDS = 5
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MIB = 1 << 20
 
 
@@ -231,7 +231,7 @@ def write_big(root: str, uid: int, gid: int) -> None:
 def walk_fd(root: str) -> dict:
     """``{path: stat_result}`` by scandir + lstat, relative to directory descriptors."""
     found = {}
-    stack = [("", os.open(root, _DIR_FLAGS))]
+    stack = [("", os.open(root, DIR_FLAGS))]
     while stack:
         prefix, fd = stack.pop()
         try:
@@ -241,7 +241,7 @@ def walk_fd(root: str) -> dict:
                     st = item.stat(follow_symlinks=False)
                     found[path] = st
                     if stat.S_ISDIR(st.st_mode):
-                        stack.append((path + "/", os.open(item.name, _DIR_FLAGS, dir_fd=fd)))
+                        stack.append((path + "/", os.open(item.name, DIR_FLAGS, dir_fd=fd)))
         finally:
             os.close(fd)
     return found
@@ -294,6 +294,7 @@ def _ms(function) -> float:
 def change_detection(host: Host, count: int) -> dict:
     """plan_sync with one changed file against the bare walks, interleaved."""
     from supervisor import manifest as mf
+    from supervisor.fsutil import open_directory
 
     root = host.workspace(SMALL)
     # The state as the backend has it: with the plan of the last sync in memory,
@@ -303,7 +304,7 @@ def change_detection(host: Host, count: int) -> dict:
     uid = host.identity.uid
 
     def plan(previous=state.plan):
-        fd = mf.open_workspace(host.identity.directory, SMALL)
+        fd = open_directory(host.identity.directory, SMALL)
         try:
             return mf.plan_sync(fd, state, uid, previous=previous)
         finally:

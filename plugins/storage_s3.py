@@ -49,11 +49,11 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from supervisor import manifest as mf
-from supervisor.fsutil import ensure_private_directory
+from supervisor.fsutil import ensure_private_directory, make_directories, open_directory, remove_entry
 from supervisor.hello import NAME_PATTERN
 from supervisor.hookspecs import hookimpl
 from supervisor.interfaces import IStorageBackend
-from supervisor.storage import Prepared, StorageUnavailable, remove_entry
+from supervisor.storage import Prepared, StorageUnavailable
 
 ENDPOINT_VARIABLE = "CORRAL_S3_ENDPOINT_URL"
 #: Blob transfers in flight at once, across all conversations of a supervisor (default).
@@ -410,23 +410,29 @@ class S3Storage:
                                         identity.gid, 0o700)
         with self._lock(identity.owner, conversation), \
                 self._reaching("hydrate", f"{identity.owner}/{conversation}"):
-            root_fd = mf.open_workspace(identity.directory, conversation)
+            root_fd = open_directory(identity.directory, conversation)
             try:
                 state = self._load_state(identity.owner, conversation)
-                loaded = (state.etag, state.manifest, state.stamps, state.conflict_saved)
-                # Ask the store while the workspace is walked; a commit made by
-                # the walk's changes moves the ETag, and then the answer is asked again.
+                # Ask the store while the workspace is walked (the usual answer:
+                # 304, nothing changed).
                 asked = self._transfers.submit(
                     self._get_manifest, identity.owner, conversation, state.etag)
                 try:
-                    plan, committed, _ = self._commit_local(
+                    plan, committed, _, tried = self._commit_local(
                         root_fd, identity, conversation, state, conflict_ok=True)
-                finally:
-                    early = _outcome(asked)
-                if state.etag == loaded[0] and not isinstance(early, BaseException):
-                    remote, etag = early
-                else:
+                except BaseException:
+                    asked.cancel()
+                    raise
+                if committed:
+                    asked.cancel()
+                    remote, etag = None, state.etag  # the store holds this very version
+                elif tried:
+                    # A conflict: another host committed since; load its version.
+                    asked.cancel()
                     remote, etag = self._get_manifest(identity.owner, conversation, state.etag)
+                else:
+                    remote, etag = asked.result()
+                loaded = (state.etag, state.manifest, state.stamps, state.conflict_saved)
                 result = mf.HydrateResult(stamps=plan.stamps)
                 if etag is None:
                     # No manifest in the store (new, or removed there): keep the
@@ -465,10 +471,10 @@ class S3Storage:
         started = time.monotonic()
         with self._lock(identity.owner, conversation), \
                 self._reaching("sync", f"{identity.owner}/{conversation}"):
-            root_fd = mf.open_workspace(identity.directory, conversation)
+            root_fd = open_directory(identity.directory, conversation)
             try:
                 state = self._load_state(identity.owner, conversation)
-                plan, committed, uploads = self._commit_local(
+                plan, committed, uploads, _ = self._commit_local(
                     root_fd, identity, conversation, state, conflict_ok=False)
             finally:
                 os.close(root_fd)
@@ -487,7 +493,8 @@ class S3Storage:
     def _commit_local(self, root_fd, identity, conversation, state, conflict_ok):
         """Commit the workspace when it differs from the state's manifest.
 
-        Returns ``(plan, committed, uploads)``. On a conflict this host's
+        Returns ``(plan, committed, uploads, tried)``; ``tried`` is True when a
+        commit was attempted (it failed when not ``committed``). On a conflict this host's
         version is kept as a conflict copy (every blob it names made
         present first) and the state saved with the conflict noted; then
         SyncConflict is raised unless ``conflict_ok``.
@@ -497,7 +504,8 @@ class S3Storage:
         state.plan = plan
         uploads = []
         committed = False
-        if plan.changed(state.manifest) or (state.etag is None and plan.manifest.entries):
+        tried = plan.changed(state.manifest) or (state.etag is None and bool(plan.manifest.entries))
+        if tried:
             uploads = self._upload(root_fd, identity, plan, state.manifest.hashes())
             body = plan.manifest.to_bytes(owner, conversation)
             etag = self._put_manifest(owner, conversation, body, state.etag)
@@ -508,15 +516,14 @@ class S3Storage:
                 if remote is not None and remote.entries == plan.manifest.entries:
                     etag = remote_etag
             if etag is None:
-                digest = hashlib.sha256(body).hexdigest()
                 kept = None
-                if state.conflict_saved != digest:
+                if state.conflict_saved != hashlib.sha256(body).hexdigest():
                     # The blobs of the base manifest were not checked above; the
                     # winner may no longer refer to them, so check them now.
                     uploads += self._upload(root_fd, identity, plan, set())
-                    kept = self._save_conflict(owner, conversation,
-                                               plan.manifest.to_bytes(owner, conversation))
-                    state.conflict_saved = digest
+                    body = plan.manifest.to_bytes(owner, conversation)
+                    kept = self._save_conflict(owner, conversation, body)
+                    state.conflict_saved = hashlib.sha256(body).hexdigest()
                     self._save_state(owner, conversation, state)
                 conflict = SyncConflict(owner, conversation, kept)
                 self.log.warn("{message}", message=str(conflict))
@@ -530,7 +537,7 @@ class S3Storage:
         else:
             state.stamps = plan.stamps
             self._remember_plan(owner, conversation, plan)
-        return plan, committed, uploads
+        return plan, committed, uploads, tried
 
     def _upload(self, root_fd, identity, plan, known: set) -> list:
         return mf.upload_missing(
@@ -552,7 +559,7 @@ class S3Storage:
         owner = identity.owner
         with self._lock(owner, conversation):
             try:
-                root_fd = mf.open_workspace(identity.directory, conversation)
+                root_fd = open_directory(identity.directory, conversation)
             except FileNotFoundError:
                 self._forget_state(owner, conversation)
                 return True
@@ -928,7 +935,7 @@ class S3Storage:
         return _copy_state(cached[1])
 
     def _save_state(self, owner: str, conversation: str, state: mf.SyncState) -> None:
-        os.makedirs(self.state_root, mode=0o700, exist_ok=True)
+        make_directories(self.state_root, 0o700)
         path = self._state_path(owner, conversation)
         mf.save_state(path, state)
         st = os.stat(path)
@@ -963,16 +970,8 @@ class S3Storage:
 
     def _spool_dir(self) -> str:
         path = os.path.join(self.state_root, "spool")
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        make_directories(path, 0o700)
         return path
-
-
-def _outcome(future):
-    """A finished future's result, or the exception it raised (waiting for it first)."""
-    try:
-        return future.result()
-    except BaseException as error:  # noqa: B036 (returned, and re-raised by a retry)
-        return error
 
 
 def _copy_state(state):

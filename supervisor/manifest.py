@@ -28,10 +28,13 @@ import secrets
 import shutil
 import stat
 import tempfile
+import time
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from typing import Callable, Iterable, NamedTuple
 
 from attrs import Factory, define, field, frozen
+
+from supervisor.fsutil import DIR_FLAGS, make_directories
 
 #: The ``format`` and ``version`` fields of every manifest this code writes.
 FORMAT = "corral-manifest"
@@ -40,7 +43,6 @@ STATE_VERSION = 1
 
 FILE, DIRECTORY, SYMLINK, OTHER = "file", "dir", "symlink", "other"
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _TEMP_PREFIX = ".corral-tmp-"
 _CHUNK = 1 << 20
@@ -294,7 +296,7 @@ def load_state(path: str) -> SyncState | None:
 def save_state(path: str, state: SyncState) -> None:
     """Replace the state file at ``path`` atomically, mode 0600."""
     directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    make_directories(directory, 0o700)
     fd, temp = tempfile.mkstemp(dir=directory, prefix=".state-")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -310,21 +312,12 @@ def save_state(path: str, state: SyncState) -> None:
         raise
 
 
-def open_workspace(parent: str, name: str) -> int:
-    """Open ``parent/name`` as a directory descriptor, refusing a symlink at ``name``."""
-    parent_fd = os.open(parent, _DIR_FLAGS)
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    finally:
-        os.close(parent_fd)
-
-
 def open_dir(root_fd: int, parts: Iterable[str]) -> int:
     """Open the directory ``parts`` below ``root_fd``, one component at a time, never following a symlink."""
     fd = os.dup(root_fd)
     try:
         for part in parts:
-            next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            next_fd = os.open(part, DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = next_fd
     except BaseException:
@@ -348,7 +341,7 @@ class _DirCache:
             if len(self.fds) >= 64:
                 self.close()
             parent, _, name = directory.rpartition("/")
-            fd = os.open(name, _DIR_FLAGS, dir_fd=self.get(parent))
+            fd = os.open(name, DIR_FLAGS, dir_fd=self.get(parent))
             self.fds[directory] = fd
         return fd
 
@@ -372,20 +365,21 @@ _KINDS = {0o100000: FILE, 0o040000: DIRECTORY, 0o120000: SYMLINK}
 
 def _push_child(stack: list, fd: int, name: str, path: str) -> None:
     try:
-        child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        child = os.open(name, DIR_FLAGS, dir_fd=fd)
     except OSError:
         return  # replaced by something else meanwhile
     stack.append((path + "/", child))
 
 
-def scan_tree(root_fd: int, seen: dict | None = None, changed: list | None = None) -> dict:
+def scan_tree(root_fd: int, earlier: dict | None = None, changed: list | None = None) -> dict:
     """``{path: LocalEntry}`` for everything below ``root_fd``, by ``lstat``, never following a symlink.
 
-    With ``seen`` (an earlier scan) and ``changed`` (a list), the paths whose
-    entry differs from ``seen`` are appended to ``changed`` during the walk.
+    With ``earlier`` (a previous scan) and ``changed`` (a list), the paths
+    whose entry differs from ``earlier`` are appended to ``changed`` during
+    the walk; an equal entry is the earlier object itself.
     """
     found = {}
-    compare = seen is not None and changed is not None
+    compare = earlier is not None and changed is not None
     stack = [("", os.dup(root_fd))]
     while stack:
         prefix, fd = stack.pop()
@@ -404,7 +398,7 @@ def scan_tree(root_fd: int, seen: dict | None = None, changed: list | None = Non
                         # The inode's ctime changes with its content, mode, owner
                         # and links (a symlink's target never changes in place):
                         # an equal lstat means the earlier entry still holds.
-                        prev = seen.get(path)
+                        prev = earlier.get(path)
                         if (prev is not None and prev[5] == st.st_ctime_ns
                                 and prev[6] == st.st_ino and prev[4] == st.st_mtime_ns
                                 and prev[3] == st.st_size and prev[1] is kind
@@ -471,19 +465,30 @@ class SyncPlan:
 
     manifest: Manifest
     stamps: dict
+    #: ``{path: LocalEntry}`` the walk found. The next plan decides again only
+    #: paths whose ``lstat`` differs from this; a path whose outcome was not
+    #: settled (it vanished, or changed while it was read or uploaded) is
+    #: recorded with ``ctime_ns`` -1, which no ``lstat`` equals.
     scan: dict
     hashed: int = 0
     skipped: int = 0
-    #: ``{path: LocalEntry}`` whose outcome (its entry, or being left out) this
-    #: plan decided from that ``lstat`` alone; the next plan reuses it while
-    #: the walk finds the same values. Paths hashed while changing are absent.
-    seen: dict | None = None
     #: The uid files had to belong to (None when not root).
     enforce: int | None = None
 
     def changed(self, base: Manifest) -> bool:
         """True when this plan's manifest differs from ``base``."""
         return self.manifest != base
+
+
+#: How recent a change must be to be "racy": coarse kernel timestamps move
+#: once per clock tick (up to 10 ms), so a file changed in the same tick as
+#: the walk could change again without its ctime moving.
+RACY_NS = 50_000_000
+
+
+def unsettled(local: LocalEntry) -> LocalEntry:
+    """``local`` marked so that the next plan decides its path again."""
+    return local._replace(ctime_ns=-1)
 
 
 def _plan_one(path, local, before, stamp, enforce, dirs):
@@ -541,90 +546,99 @@ def plan_sync(root_fd: int, state: SyncState, uid: int,
     base manifest's is that very object, so comparing the two is cheap.
 
     With ``previous`` (the last plan of this workspace, kept in memory),
-    only paths whose ``lstat`` differs from what that plan saw are decided
-    again: change detection then costs little more than the walk.
+    only paths whose ``lstat`` differs from what that plan's walk found are
+    decided again: change detection then costs little more than the walk.
     """
     enforce = owner_uid_to_enforce(uid)
-    if previous is not None and previous.seen is not None and previous.enforce == enforce:
+    racy = time.time_ns() - RACY_NS
+    if previous is not None and previous.enforce == enforce:
         changed: list = []
-        scan = scan_tree(root_fd, previous.seen, changed)
-        plan = _plan_incrementally(root_fd, scan, changed, state, enforce, previous)
+        scan = scan_tree(root_fd, previous.scan, changed)
+        plan = _plan_incrementally(root_fd, scan, changed, state, enforce, previous, racy)
         if plan is not None:
             return plan
     else:
         scan = scan_tree(root_fd)
     base = state.manifest.by_path()
-    known = state.stamps
-    entries, stamps, seen = [], {}, {}
-    hashed = 0
-    dirs = _DirCache(root_fd)
-    try:
-        for path in sorted(scan):
-            entry, stamp, reusable, did_hash = _plan_one(
-                path, scan[path], base.get(path), known.get(path), enforce, dirs)
-            hashed += did_hash
-            if entry is not None:
-                entries.append(entry)
-            if stamp is not None:
-                stamps[path] = stamp
-            if reusable is not None:
-                seen[path] = reusable
-    finally:
-        dirs.close()
+    entries, stamps, hashed = _decide(root_fd, scan, sorted(scan), base.get,
+                                      state.stamps.get, enforce, racy)
     # Sorted by path already (the same order Manifest.of gives). A skipped
     # file never orphans an entry: every entry's parent is a directory entry
     # because the walk found it.
     return SyncPlan(Manifest(tuple(entries)), stamps, scan, hashed, len(scan) - len(entries),
-                    seen, enforce)
+                    enforce)
 
 
-def _plan_incrementally(root_fd, scan, changed, state, enforce, previous) -> SyncPlan | None:
+def _decide(root_fd, scan, paths, before_of, stamp_of, enforce, racy):
+    """Decide ``paths`` (sorted): ``(entries, stamps, hashed)``; ``scan`` records the outcome.
+
+    A file whose ctime is ``racy`` or later may change again within the same
+    clock tick without its ctime moving (coarse timestamps): its outcome and
+    stamp are not trusted next time, so it is hashed again then.
+    """
+    entries, stamps = [], {}
+    hashed = 0
+    dirs = _DirCache(root_fd)
+    try:
+        for path in paths:
+            local = scan[path]
+            entry, stamp, reusable, did_hash = _plan_one(
+                path, local, before_of(path), stamp_of(path), enforce, dirs)
+            hashed += did_hash
+            if entry is not None:
+                entries.append(entry)
+            if stamp is not None:
+                if stamp.ctime_ns >= racy:
+                    stamp = stamp._replace(mtime_ns=-1)
+                stamps[path] = stamp
+            if reusable is None or reusable.ctime_ns >= racy:
+                reusable = unsettled(local)
+            scan[path] = reusable
+    finally:
+        dirs.close()
+    return entries, stamps, hashed
+
+
+def _plan_incrementally(root_fd, scan, changed, state, enforce, previous,
+                        racy) -> SyncPlan | None:
     """``previous`` updated with the paths whose ``lstat`` changed; None when too many did.
 
     The entries stay a sorted list edited in place by bisection, so the cost
     beyond the walk is one comparison per path plus the changed paths' own.
     """
-    seen = previous.seen
-    # Unchanged paths are in ``seen``; when they and the changed ones that were
-    # there too account for all of it, nothing is gone (no set difference).
-    modified = sum(1 for path in changed if path in seen)
-    gone = (seen.keys() - scan.keys()
-            if len(scan) - len(changed) + modified != len(seen) else ())
+    before = previous.scan
+    # Unchanged paths are in ``before``; when they and the changed ones that
+    # were there too account for all of it, nothing is gone (no set difference).
+    modified = sum(1 for path in changed if path in before)
+    gone = (before.keys() - scan.keys()
+            if len(scan) - len(changed) + modified != len(before) else ())
     if not changed and not gone:
-        return SyncPlan(previous.manifest, previous.stamps, scan, 0, previous.skipped,
-                        seen, enforce)
+        return SyncPlan(previous.manifest, dict(previous.stamps), scan, 0, previous.skipped,
+                        enforce)
     if len(changed) + len(gone) > min(1000, len(scan) // 4):
         return None
     entries = list(previous.manifest.entries)
     stamps = dict(previous.stamps)
-    seen = dict(seen)
     base = state.manifest.entries
-    hashed = 0
-    for path in gone:
+
+    def base_entry(path):
+        i = bisect.bisect_left(base, path, key=_entry_path)
+        return base[i] if i < len(base) and base[i].path == path else None
+
+    def last_stamp(path):
+        return stamps.get(path) or state.stamps.get(path)
+
+    changed.sort()
+    decided, new_stamps, hashed = _decide(root_fd, scan, changed, base_entry, last_stamp,
+                                          enforce, racy)
+    for path in (*gone, *changed):
         _remove_entry(entries, path)
         stamps.pop(path, None)
-        del seen[path]
-    dirs = _DirCache(root_fd)
-    try:
-        for path in sorted(changed):
-            stamp = stamps.pop(path, None) or state.stamps.get(path)
-            _remove_entry(entries, path)
-            seen.pop(path, None)
-            i = bisect.bisect_left(base, path, key=_entry_path)
-            before = base[i] if i < len(base) and base[i].path == path else None
-            entry, stamp, reusable, did_hash = _plan_one(
-                path, scan[path], before, stamp, enforce, dirs)
-            hashed += did_hash
-            if entry is not None:
-                bisect.insort(entries, entry, key=_entry_path)
-            if stamp is not None:
-                stamps[path] = stamp
-            if reusable is not None:
-                seen[path] = reusable
-    finally:
-        dirs.close()
+    for entry in decided:
+        bisect.insort(entries, entry, key=_entry_path)
+    stamps.update(new_stamps)
     return SyncPlan(Manifest(tuple(entries)), stamps, scan, hashed, len(scan) - len(entries),
-                    seen, enforce)
+                    enforce)
 
 
 def _remove_entry(entries: list, path: str) -> None:
@@ -725,8 +739,8 @@ def upload_missing(root_fd: int, plan: SyncPlan, known: set, uid: int,
                                        if e.path not in vanished))
         for path in vanished:
             plan.stamps.pop(path, None)
-            if plan.seen is not None:
-                plan.seen.pop(path, None)
+            if path in plan.scan:
+                plan.scan[path] = unsettled(plan.scan[path])
     if replaced:
         entries = [
             Entry(e.path, FILE, mode=e.mode, size=replaced[e.path].size,
@@ -734,11 +748,11 @@ def upload_missing(root_fd: int, plan: SyncPlan, known: set, uid: int,
             if e.path in replaced else e
             for e in plan.manifest.entries
         ]
-        plan.manifest = Manifest.of(entries)
+        plan.manifest = Manifest(tuple(entries))
         for path, done in replaced.items():
             plan.stamps[path] = Stamp(done.size, -1, -1, -1, done.sha256)
-            if plan.seen is not None:
-                plan.seen.pop(path, None)  # decide it again next time
+            if path in plan.scan:
+                plan.scan[path] = unsettled(plan.scan[path])  # decide it again next time
     return uploads
 
 

@@ -3,6 +3,7 @@
 import os
 import random
 import shutil
+import time
 
 import pytest
 
@@ -94,6 +95,7 @@ def test_incremental_plans_equal_fresh_plans(tmp_path, seed):
 def test_an_unchanged_walk_reuses_the_plan(tmp_path):
     """Nothing changed: no hashing and the very same manifest object."""
     (tmp_path / "a").write_bytes(b"a")
+    time.sleep(mf.RACY_NS / 1e9)  # out of the racy window (see the next test)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         first = mf.plan_sync(fd, mf.SyncState(), os.getuid())
@@ -103,6 +105,24 @@ def test_an_unchanged_walk_reuses_the_plan(tmp_path):
         (tmp_path / "b").write_bytes(b"b")
         third = mf.plan_sync(fd, state, os.getuid(), previous=again)
         assert third.hashed == 1 and [e.path for e in third.manifest.entries] == ["a", "b"]
+    finally:
+        os.close(fd)
+
+
+def test_a_file_changed_just_before_the_walk_is_hashed_again(tmp_path, monkeypatch):
+    """Coarse timestamps: a rewrite in the same clock tick leaves size, mtime, ctime and inode
+    as they were. A file whose ctime is that recent is never trusted by the next plan.
+    (The window is widened to an hour here, so a slow machine cannot leave it.)
+    """
+    monkeypatch.setattr(mf, "RACY_NS", 3600 * 10**9)
+    (tmp_path / "a").write_bytes(b"one")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        first = mf.plan_sync(fd, mf.SyncState(), os.getuid())
+        state = mf.SyncState(manifest=first.manifest, stamps=first.stamps, plan=first)
+        assert first.scan["a"].ctime_ns == -1 and first.stamps["a"].mtime_ns == -1
+        again = mf.plan_sync(fd, state, os.getuid(), previous=first)
+        assert again.hashed == 1
     finally:
         os.close(fd)
 
@@ -168,5 +188,25 @@ def test_shared_bytes_are_uploaded_from_a_path_that_still_holds_them(tmp_path):
         assert store.blobs[entries["one"].sha256] == b"changed"
         assert store.blobs[entries["two"].sha256] == b"same"
         _check_complete(plan, store)
+    finally:
+        os.close(fd)
+
+
+def test_a_file_replaced_during_upload_then_removed_leaves_the_manifest(tmp_path):
+    """A path decided again later (its bytes changed mid-upload) is still noticed when it goes."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "keep").write_bytes(b"keep")
+    (root / "f3").write_bytes(b"old")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        plan = mf.plan_sync(fd, mf.SyncState(), os.getuid())
+        (root / "f3").write_bytes(b"rewritten")  # between the walk and the upload
+        _upload(root, fd, plan, _Store())
+        state = mf.SyncState(manifest=plan.manifest, stamps=plan.stamps, plan=plan)
+        os.unlink(root / "f3")
+        after = mf.plan_sync(fd, state, os.getuid(), previous=plan)
+        assert [e.path for e in after.manifest.entries] == ["keep"]
+        assert after.changed(state.manifest)
     finally:
         os.close(fd)
