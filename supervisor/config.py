@@ -347,8 +347,9 @@ KEYS: tuple[Key, ...] = (
         "Delete conversations not attached for this long (for example 30d); "
         "0 keeps them forever. At least twice cleanup_interval."),
     Key("cleanup_interval", _parse_positive_duration, lambda c: 300.0,
-        "How often the cleanup job runs: evicts idle local copies, applies "
-        "retention, removes orphans and collects unreferenced blobs."),
+        "How often the cleanup job runs: finishes pending deletions, evicts idle "
+        "local copies, applies retention, removes orphans and, at most every "
+        "max(cleanup_interval, blob_gc_grace / 4), collects unreferenced blobs."),
     Key("blob_gc_grace", _parse_duration, lambda c: 86400.0,
         "A stored blob no manifest refers to is deleted only once it is older "
         "than this, so collection never races a sync that is uploading it."),
